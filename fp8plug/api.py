@@ -1,0 +1,65 @@
+"""Converting a model by hand, with any engine: `convert_model` and its helpers."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from torch import nn
+
+from .backends import get_backend, select_backend
+from .convert import ConversionReport
+from .recipe import BACKENDS, FP8RecipeKwargs
+
+
+def convert_model(
+    model: nn.Module,
+    to_transformer_engine: bool = True,
+    _convert_linear: bool = True,
+    _convert_ln: bool = True,
+    *,
+    recipe: Optional[FP8RecipeKwargs] = None,
+    backend: Optional[str] = None,
+) -> Optional[ConversionReport]:
+    """Convert `model`'s Linear (and, for TransformerEngine, LayerNorm/RMSNorm) layers to FP8
+    modules in place, or back to torch modules with `to_transformer_engine=False`.
+
+    Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
+    automatically (TransformerEngine where it runs, else torchao, else native). Returns the
+    ConversionReport of what was converted and why anything was skipped (None when converting
+    back).
+    """
+    if not to_transformer_engine:
+        unconvert_model(model)
+        return None
+    recipe = recipe or FP8RecipeKwargs(backend=backend)
+    engine = select_backend(backend or recipe.backend).backend
+    if engine.name == "te":
+        return engine.convert(model, recipe, convert_linear=_convert_linear, convert_norm=_convert_ln)
+    if not _convert_linear:
+        return ConversionReport(engine.name)
+    return engine.convert(model, recipe)
+
+
+def loaded_backends():
+    """The engines whose modules are already imported: only they can have converted a model."""
+    return [get_backend(n) for n in BACKENDS if f"fp8plug.backends.{n}" in sys.modules]
+
+
+def unconvert_model(model: nn.Module) -> nn.Module:
+    """Swap every engine's FP8 modules back for torch modules with the same weights, in place."""
+    for engine in loaded_backends():
+        engine.unconvert(model)
+    return model
+
+
+def has_transformer_engine_layers(model: nn.Module) -> bool:
+    """Whether `model` holds any TransformerEngine module (False when it is not even imported)."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return False
+    return any(get_backend("te").is_converted(m) for m in model.modules())
+
+
+def has_fp8_layers(model: nn.Module) -> bool:
+    """Whether `model` holds FP8 modules of any engine."""
+    return any(engine.is_converted(m) for engine in loaded_backends() for m in model.modules())

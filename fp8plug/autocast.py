@@ -1,0 +1,80 @@
+"""Context-aware FP8 autocast around a model's forward, for any engine.
+
+FP8 runs in training mode and high precision in eval mode (better metrics), unless asked
+otherwise. The wrapper keeps the original forward as `__wrapped__`, so it can be undone, and
+wrapping twice replaces the first wrapper instead of nesting.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from torch import nn
+
+from .recipe import FP8RecipeKwargs
+
+_MARK = "_fp8plug_autocast"
+
+
+def _resolve(fp8_recipe, backend):
+    """(engine, recipe) from an FP8RecipeKwargs and an optional engine (name or object)."""
+    from .backends import get_backend, select_backend
+    from .backends.base import Backend
+
+    recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
+    if isinstance(backend, Backend):
+        return backend, recipe or FP8RecipeKwargs(backend=backend.name)
+    if recipe is None and fp8_recipe is not None:
+        # an engine-native recipe object (e.g. a TransformerEngine DelayedScaling): TransformerEngine
+        engine = get_backend(backend or "te")
+        return engine, engine.wrap_native_recipe(fp8_recipe)
+    recipe = recipe or FP8RecipeKwargs()
+    return select_backend(backend or recipe.backend).backend, recipe
+
+
+def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: bool = False, backend=None):
+    """Wrap a bound `model.forward` so it runs inside the engine's FP8 autocast in training mode,
+    and in high precision in eval mode unless `use_during_eval`.
+
+    `fp8_recipe` is an FP8RecipeKwargs (or a TransformerEngine recipe object); `backend` picks the
+    engine (default: the recipe's, else automatic). Returns a function to bind as the forward; its
+    `__wrapped__` is the original.
+    """
+    original = getattr(model_forward, "__wrapped__", model_forward) if getattr(model_forward, _MARK, False) else model_forward
+    engine, recipe = _resolve(fp8_recipe, backend)
+    owner = getattr(original, "__self__", None)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        training = owner.training if owner is not None else True
+        with engine.autocast(recipe, enabled=training or use_during_eval):
+            return original(*args, **kwargs)
+
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, True)
+    return forward
+
+
+def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeKwargs] = None, backend=None) -> nn.Module:
+    """Make `model.forward` context-aware FP8 (see contextual_fp8_autocast), in place; applying it
+    twice leaves one wrapper. Eval runs in FP8 only if the handler's use_autocast_during_eval."""
+    recipe = fp8_recipe_handler or FP8RecipeKwargs()
+    use_during_eval = getattr(recipe, "use_autocast_during_eval", False)
+    model.forward = contextual_fp8_autocast(model.forward, recipe, use_during_eval, backend=backend)
+    return model
+
+
+def is_autowrapped(model: nn.Module) -> bool:
+    return getattr(model.forward, _MARK, False)
+
+
+def remove_fp8_autowrap(model: nn.Module) -> nn.Module:
+    """Undo apply_fp8_autowrap: the model's own forward again."""
+    if is_autowrapped(model):
+        original = model.forward.__wrapped__
+        if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
+            del model.forward  # back to the class's forward, as before wrapping
+        else:
+            model.forward = original
+    return model

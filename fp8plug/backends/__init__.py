@@ -1,0 +1,123 @@
+"""The engine registry and the automatic choice between engines, with a reason for each.
+
+Engines are imported only when asked for, so `import fp8plug` never imports TransformerEngine,
+MS-AMP or torchao, and a broken install of one is reported rather than raised.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from ..hardware import DeviceInfo, device_info
+from ..recipe import BACKENDS, normalize_backend
+from .base import Backend, Probe
+
+# The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
+_MODULES = {
+    "msamp": "fp8plug.backends.msamp:MSAMPBackend",
+    "te": "fp8plug.backends.te:TEBackend",
+    "ao": "fp8plug.backends.ao:AOBackend",
+    "native": "fp8plug.backends.native:NativeBackend",
+}
+_INSTANCES: Dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The engine object for a backend name (any spelling `FP8RecipeKwargs.backend` accepts)."""
+    canonical = normalize_backend(name)
+    if canonical is None:
+        raise ValueError(f"get_backend: name a backend, one of {', '.join(BACKENDS)}.")
+    if canonical not in _INSTANCES:
+        module_name, class_name = _MODULES[canonical].split(":")
+        _INSTANCES[canonical] = getattr(importlib.import_module(module_name), class_name)()
+    return _INSTANCES[canonical]
+
+
+class BackendUnavailableError(RuntimeError):
+    """FP8 was asked for where no engine (or not the requested one) can run; the message says why
+    and what to install."""
+
+
+@dataclass
+class Verdict:
+    """One engine's standing on this machine."""
+
+    name: str
+    title: str
+    probe: Probe
+    usable: bool
+    reason: str  # why usable, or why not
+
+
+@dataclass
+class Selection:
+    """The chosen engine and the reasoning for every engine considered."""
+
+    backend: Optional[Backend]
+    device: DeviceInfo
+    requested: Optional[str]
+    verdicts: Dict[str, Verdict] = field(default_factory=dict)
+
+    @property
+    def name(self) -> Optional[str]:
+        return self.backend.name if self.backend else None
+
+    def explain(self) -> str:
+        lines = [f"device: {self.device.describe()}"]
+        how = f"requested backend={self.requested!r}" if self.requested else "automatic (msamp, te, ao, native)"
+        lines.append(f"selection: {how}")
+        for verdict in self.verdicts.values():
+            mark = "chosen" if self.backend and verdict.name == self.backend.name else (
+                "usable" if verdict.usable else "no"
+            )
+            version = f" {verdict.probe.version}" if verdict.probe.version else ""
+            lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}")
+        return "\n".join(lines)
+
+
+def judge(name: str, device: DeviceInfo) -> Verdict:
+    """Probe one engine and check it against the device."""
+    backend = get_backend(name)
+    probe = backend.probe()
+    if not probe.available:
+        return Verdict(name, backend.title, probe, False, f"{probe.reason} (install: {backend.install_hint})")
+    ok, why = backend.supports(device)
+    if not ok:
+        return Verdict(name, backend.title, probe, False, why)
+    where = "FP8 GEMMs on this GPU" if device.type == "cuda" else "on the CPU"
+    return Verdict(name, backend.title, probe, True, f"available, {where}")
+
+
+def select_backend(requested: Optional[str] = None, device=None) -> Selection:
+    """Choose the engine: the requested one if it can run (else an error saying why and how to
+    install it), or the first usable one in the order msamp, te, ao, native.
+
+    Every engine is judged, not only the winner, so the choice can be explained.
+    """
+    info = device if isinstance(device, DeviceInfo) else device_info(device)
+    requested = normalize_backend(requested)
+    selection = Selection(None, info, requested)
+    for name in BACKENDS:
+        selection.verdicts[name] = judge(name, info)
+    if requested is not None:
+        verdict = selection.verdicts[requested]
+        if not verdict.usable:
+            raise BackendUnavailableError(
+                f"FP8 backend {requested!r} ({verdict.title}) cannot run here: {verdict.reason}. "
+                f"Install it with `{get_backend(requested).install_hint}`, or leave backend=None to "
+                "choose automatically.\n" + selection.explain()
+            )
+        selection.backend = get_backend(requested)
+        return selection
+    for name in BACKENDS:
+        if selection.verdicts[name].usable:
+            selection.backend = get_backend(name)
+            return selection
+    raise BackendUnavailableError(
+        "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain()
+    )
+
+
+__all__ = ["Backend", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend"]

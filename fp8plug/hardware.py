@@ -1,0 +1,45 @@
+"""What the device can do for FP8: the one hardware check every engine and the CLI share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cuda" or "cpu"
+    name: str
+    capability: Optional[Tuple[int, int]] = None
+
+    @property
+    def fp8_gemm(self) -> bool:
+        """Whether FP8 GEMMs run natively: CUDA sm_89+, or torch's CPU `_scaled_mm`."""
+        if self.type == "cuda":
+            return self.capability is not None and self.capability >= FP8_MIN_CAPABILITY
+        return self.type == "cpu"
+
+    def describe(self) -> str:
+        if self.type == "cuda":
+            major, minor = self.capability
+            return f"{self.name} (CUDA, compute capability {major}.{minor})"
+        return f"{self.name} (CPU)"
+
+
+def device_info(device=None) -> DeviceInfo:
+    """Describe `device` (default: the current CUDA device if there is one, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DeviceInfo("cuda", torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    if device.type == "cpu":
+        import platform
+
+        return DeviceInfo("cpu", platform.processor() or platform.machine() or "cpu")
+    return DeviceInfo(device.type, device.type)

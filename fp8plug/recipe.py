@@ -1,0 +1,250 @@
+"""FP8RecipeKwargs: the one place where FP8 settings are named, read and checked.
+
+Accelerate's own handler drops fields, and `accelerate launch` exports every FP8 variable with its
+argparse default (and `accelerate config` writes other key names that Accelerate never reads).
+This handler takes explicit arguments first, then the environment read with those quirks in
+mind, then the defaults, and rejects a bad value with the field's name and the allowed values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional, Sequence, Tuple
+
+from accelerate.utils import KwargsHandler
+
+BACKEND_ALIASES = {
+    "msamp": "msamp",
+    "ms-amp": "msamp",
+    "ms_amp": "msamp",
+    "te": "te",
+    "transformer_engine": "te",
+    "transformer-engine": "te",
+    "transformerengine": "te",
+    "ao": "ao",
+    "torchao": "ao",
+    "native": "native",
+}
+BACKENDS = ("msamp", "te", "ao", "native")
+FP8_FORMATS = ("HYBRID", "E4M3")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+OPT_LEVELS = ("O1", "O2")
+
+DEFAULTS = {
+    "backend": None,
+    "use_autocast_during_eval": False,
+    "opt_level": "O2",
+    "margin": 0,
+    "interval": 1,
+    "fp8_format": "HYBRID",
+    "amax_history_len": 1024,
+    "amax_compute_algo": "most_recent",
+    "override_linear_precision": (False, False, False),
+}
+
+# field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
+# launch exports its argparse default for every field even when nobody set it, so a launch value
+# equal to that default is only trusted when the wizard's name is absent.
+ENV_NAMES = {
+    "backend": ("ACCELERATE_FP8_BACKEND", None),
+    "use_autocast_during_eval": ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", None),
+    "opt_level": ("ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_OPTIMIZATION_LEVEL"),
+    "margin": ("ACCELERATE_FP8_MARGIN", None),
+    "interval": ("ACCELERATE_FP8_INTERVAL", None),
+    "fp8_format": ("ACCELERATE_FP8_FORMAT", None),
+    "amax_history_len": ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH"),
+    "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
+}
+OVERRIDE_ENV_NAMES = (
+    "ACCELERATE_FP8_OVERRIDE_FPROP",
+    "ACCELERATE_FP8_OVERRIDE_DGRAD",
+    "ACCELERATE_FP8_OVERRIDE_WGRAD",
+)
+_TRUE = ("true", "1", "yes", "y", "on")
+_FALSE = ("false", "0", "no", "n", "off", "")
+
+
+def parse_bool(value, name: str) -> bool:
+    """Read a boolean written as true/false/1/0 (any case), as launch and config files write it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name}: {value!r} is not a boolean; use true/false or 1/0.")
+
+
+def _env_value(name: str, environ) -> Optional[str]:
+    launch_name, wizard_name = ENV_NAMES[name]
+    launch_value = environ.get(launch_name)
+    wizard_value = environ.get(wizard_name) if wizard_name else None
+    default = DEFAULTS[name]
+    if launch_value is not None and not _same(launch_value, default):
+        return launch_value
+    if wizard_value is not None:
+        return wizard_value
+    return launch_value
+
+
+def _same(text: str, default) -> bool:
+    """Whether an environment string spells the launch default (so may not be the user's choice)."""
+    if default is None:
+        return False
+    if isinstance(default, bool):
+        return text.strip().lower() == str(default).lower()
+    return text.strip().lower() == str(default).lower()
+
+
+def _env_override(environ) -> Optional[Tuple[bool, bool, bool]]:
+    values = [environ.get(n) for n in OVERRIDE_ENV_NAMES]
+    if all(v is None for v in values):
+        return None
+    return tuple(parse_bool(v or "false", n) for v, n in zip(values, OVERRIDE_ENV_NAMES))
+
+
+def normalize_backend(value) -> Optional[str]:
+    """Canonical backend name ("msamp", "te", "ao", "native") from any spelling and case."""
+    if value is None:
+        return None
+    key = str(value).strip().lower()
+    if key in ("", "none", "auto", "automatic"):
+        return None
+    if key not in BACKEND_ALIASES:
+        raise ValueError(
+            f"FP8RecipeKwargs.backend: unknown backend {value!r}; use one of {', '.join(BACKENDS)} "
+            "(any case) or None to choose automatically."
+        )
+    return BACKEND_ALIASES[key]
+
+
+@dataclass
+class FP8RecipeKwargs(KwargsHandler):
+    """How to train in FP8, whichever engine runs it.
+
+    Fields left as None are read from the `ACCELERATE_FP8_*` environment that `accelerate launch`
+    exports (and the key names `accelerate config` writes), then from the defaults.
+
+    Args:
+        backend: "msamp", "te", "ao" or "native" (any case); None picks by availability and
+            hardware, in that order.
+        use_autocast_during_eval: run FP8 in eval mode too (default False: eval in high precision).
+        opt_level: MS-AMP optimisation level, "O1" or "O2".
+        margin: delayed scaling: scale = fp8_max / amax / 2**margin.
+        interval: delayed scaling: recompute the scale every `interval` steps.
+        fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" throughout.
+        amax_history_len: delayed scaling: how many past amaxes are kept.
+        amax_compute_algo: "max" over the history or "most_recent".
+        override_linear_precision: (fprop, dgrad, wgrad); True runs that GEMM in high precision.
+        scaling: the engine's scaling recipe; None takes its default ("delayed" for native and te,
+            "tensorwise" for ao). native: "delayed" or "dynamic"; te: "delayed", "current",
+            "block", "mxfp8", "nvfp4"; ao: "tensorwise", "rowwise", "rowwise_with_gw_hp".
+        modules_to_ignore: fully-qualified names of modules to leave in high precision.
+        module_filter_fn: `fn(module, fqn) -> bool`; False leaves that module in high precision.
+    """
+
+    backend: Optional[str] = None
+    use_autocast_during_eval: Optional[bool] = None
+    opt_level: Optional[str] = None
+    margin: Optional[int] = None
+    interval: Optional[int] = None
+    fp8_format: Optional[str] = None
+    amax_history_len: Optional[int] = None
+    amax_compute_algo: Optional[str] = None
+    override_linear_precision: Optional[Tuple[bool, bool, bool]] = None
+    scaling: Optional[str] = None
+    modules_to_ignore: Optional[Sequence[str]] = None
+    module_filter_fn: Optional[Callable] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._resolve(os.environ)
+        self._validate()
+
+    def _resolve(self, environ) -> None:
+        explicit = {f.name for f in fields(self) if getattr(self, f.name) is not None}
+        self._explicit_fields = frozenset(explicit)
+        for name in ENV_NAMES:
+            if getattr(self, name) is None:
+                value = _env_value(name, environ)
+                setattr(self, name, value if value is not None else DEFAULTS[name])
+        if self.override_linear_precision is None:
+            env = _env_override(environ)
+            self.override_linear_precision = env if env is not None else DEFAULTS["override_linear_precision"]
+
+    def _validate(self) -> None:
+        self.backend = normalize_backend(self.backend)
+        self.use_autocast_during_eval = parse_bool(
+            self.use_autocast_during_eval, "FP8RecipeKwargs.use_autocast_during_eval"
+        )
+        self.fp8_format = _choice("fp8_format", self.fp8_format, FP8_FORMATS, str.upper)
+        self.amax_compute_algo = _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS, str.lower)
+        if str(self.opt_level).strip().upper() == "O3":
+            raise ValueError(
+                "FP8RecipeKwargs.opt_level: 'O3' exists only through MS-AMP's DeepSpeed integration, "
+                f"which fp8plug does not drive; use one of {', '.join(OPT_LEVELS)}."
+            )
+        self.opt_level = _choice("opt_level", self.opt_level, OPT_LEVELS, str.upper)
+        self.margin = _integer("margin", self.margin, minimum=0)
+        self.interval = _integer("interval", self.interval, minimum=1)
+        self.amax_history_len = _integer("amax_history_len", self.amax_history_len, minimum=1)
+        self.override_linear_precision = _override(self.override_linear_precision)
+        if self.scaling is not None:
+            self.scaling = str(self.scaling).strip().lower()
+        if self.modules_to_ignore is not None:
+            if isinstance(self.modules_to_ignore, str) or not all(
+                isinstance(n, str) for n in self.modules_to_ignore
+            ):
+                raise ValueError(
+                    "FP8RecipeKwargs.modules_to_ignore: give a list of fully-qualified module names, "
+                    f"not {self.modules_to_ignore!r}."
+                )
+            self.modules_to_ignore = tuple(self.modules_to_ignore)
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise ValueError("FP8RecipeKwargs.module_filter_fn: must be callable as fn(module, fqn) -> bool.")
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether the user passed this field (rather than it coming from the environment or defaults)."""
+        return name in self._explicit_fields
+
+    def to_dict(self):
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.pop("module_filter_fn")
+        return out
+
+
+def _choice(name, value, allowed, canon):
+    text = canon(str(value).strip())
+    if text not in allowed:
+        raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not allowed; use one of {', '.join(allowed)}.")
+    return text
+
+
+def _integer(name, value, minimum):
+    try:
+        number = int(str(value).strip()) if not isinstance(value, int) or isinstance(value, bool) else value
+    except ValueError:
+        raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not an integer; use an integer >= {minimum}.") from None
+    if isinstance(value, bool) or number < minimum:
+        raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not allowed; use an integer >= {minimum}.")
+    return number
+
+
+def _override(value):
+    if isinstance(value, str):
+        value = [part for part in value.replace("(", "").replace(")", "").split(",")]
+        try:
+            value = tuple(parse_bool(part, "override_linear_precision") for part in value)
+        except ValueError:
+            value = None
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 3
+        or not all(isinstance(v, bool) for v in value)
+    ):
+        raise ValueError(
+            "FP8RecipeKwargs.override_linear_precision: give three booleans (fprop, dgrad, wgrad), "
+            f"e.g. (False, False, True); got {value!r}."
+        )
+    return tuple(value)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up fp8plug on a fresh machine: keep the torch already installed, or install torch 2.13.0
+# (a CPU build where one is provided locally), then fp8plug with its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "bootstrap: no torch found; installing torch==2.13.0"
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+if ! "$PY" -c "import fp8plug, pytest, torchao, transformers" >/dev/null 2>&1; then
+  # torch is already present, so nothing below can pull another torch build.
+  "$PY" -m pip install -q -e ".[test]" 
+fi
+"$PY" -c "import torch, accelerate, fp8plug; print(f'bootstrap: torch {torch.__version__}, accelerate {accelerate.__version__}, fp8plug {fp8plug.__version__}')"

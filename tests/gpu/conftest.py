@@ -1,0 +1,24 @@
+"""GPU tests: they run only where a CUDA GPU with FP8 tensor cores (sm_89+) is present, and are
+skipped everywhere else (CI has no GPU). Run them on the lent H100/H200 with the .gpu kit:
+`source .gpu/install.sh && python3 -m pytest tests/gpu -q`."""
+
+import pytest
+import torch
+
+
+def _fp8_gpu():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _fp8_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability >= 8.9")
+    for item in items:
+        if "tests/gpu" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device_name():
+    return torch.cuda.get_device_name()
