@@ -318,3 +318,62 @@ class NativeBackend(Backend):
 
     def autocast(self, recipe, enabled: bool = True):
         return native_fp8_autocast(enabled)
+
+    _FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step")
+
+    def fp8_state(self, model: nn.Module) -> dict:
+        """Each NativeFP8Linear's (non-persistent) scaling buffers, by module name, on the CPU."""
+        return {
+            fqn: {name: getattr(module, name).detach().cpu().clone() for name in self._FP8_BUFFERS}
+            for fqn, module in model.named_modules()
+            if isinstance(module, NativeFP8Linear)
+        }
+
+    def load_fp8_state(self, model: nn.Module, state: dict) -> None:
+        """Copy saved scaling buffers back into the model's NativeFP8Linear modules."""
+        for fqn, buffers in state.items():
+            module = model.get_submodule(fqn) if fqn else model
+            if not isinstance(module, NativeFP8Linear):
+                raise ValueError(
+                    f"load_fp8_state: {fqn!r} is a {type(module).__name__}, not a NativeFP8Linear; "
+                    "load the FP8 state into a model converted the same way (backend='native')."
+                )
+            for name in self._FP8_BUFFERS:
+                target = getattr(module, name)
+                if target.shape != buffers[name].shape:
+                    raise ValueError(
+                        f"load_fp8_state: {fqn}.{name} has shape {tuple(target.shape)} but the saved "
+                        f"state has {tuple(buffers[name].shape)}; use the same amax_history_len and scaling."
+                    )
+                with torch.no_grad():
+                    target.copy_(buffers[name])
+
+    _STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step")
+
+    def fp8_state(self, model: nn.Module) -> dict:
+        """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
+        return {
+            fqn: {name: getattr(module, name).detach().cpu().clone() for name in self._STATE_BUFFERS}
+            for fqn, module in model.named_modules()
+            if isinstance(module, NativeFP8Linear)
+        }
+
+    def load_fp8_state(self, model: nn.Module, state: dict) -> None:
+        modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)}
+        if set(modules) != set(state):
+            raise ValueError(
+                "native FP8 state: the checkpoint's converted modules "
+                f"{sorted(set(state) - set(modules))} are not in this model and this model's "
+                f"{sorted(set(modules) - set(state))} are not in the checkpoint; convert the model "
+                "with the same recipe (modules_to_ignore, module_filter_fn) as when it was saved."
+            )
+        for fqn, buffers in state.items():
+            for name in self._STATE_BUFFERS:
+                target, saved = getattr(modules[fqn], name), buffers[name]
+                if target.shape != saved.shape:
+                    raise ValueError(
+                        f"native FP8 state: {fqn}.{name} has shape {tuple(saved.shape)} in the checkpoint "
+                        f"but {tuple(target.shape)} here; use the same amax_history_len and scaling "
+                        "as when it was saved."
+                    )
+                target.copy_(saved)

@@ -1,0 +1,5 @@
+"""`python -m fp8plug env|bench`: the same as the `fp8plug` console script."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""fp8plug.Accelerator: accelerate.Accelerator training in FP8 with whichever fp8plug engine runs.
+
+Accelerate knows only its own FP8 handler classes (any other raises a bare KeyError) and only its
+own engines, and `accelerate launch` hands it FP8 settings it cannot read (a lower-case
+`--fp8_backend ao`, `backend: native`). This subclass takes FP8 over entirely:
+
+- `FP8RecipeKwargs` is taken out of `kwargs_handlers` before accelerate sees it;
+- mixed precision "fp8" (argument, `accelerate launch`, config file) becomes bf16 autocast for
+  accelerate, so accelerate's own FP8 code never runs, while fp8plug's engine runs the Linears in
+  FP8 and `accelerator.mixed_precision` still reports "fp8";
+- `prepare()` converts each model once, before any DDP/FSDP2 wrapping and torch.compile, keeps
+  optimizers pointing at the converted parameters, wraps the forward in the engine's autocast,
+  and runs the engine's work after each optimizer step;
+- state dicts stay the plain architecture's, and `save_state`/`load_state` carry the FP8 scaling
+  state too (fp8plug.checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from typing import Dict, List, Optional
+
+import accelerate
+import torch
+from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from accelerate.utils import FP8RecipeKwargs as AccelerateFP8RecipeKwargs
+from accelerate.utils.dataclasses import FP8BackendType
+from accelerate.utils.other import extract_model_from_parallel
+from torch import nn
+
+from .autocast import apply_fp8_autowrap
+from .backends import select_backend
+from .backends.base import Backend
+from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
+from .convert import ConversionError, ConversionReport, wrapped_kind
+from .recipe import FP8RecipeKwargs
+
+_ACCELERATE_FP8_HANDLERS = (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, AccelerateFP8RecipeKwargs)
+_INIT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
+
+
+def requested_precision(mixed_precision) -> str:
+    """The mixed precision asked for: the argument, else what `accelerate launch` exported."""
+    if mixed_precision is None:
+        return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    return str(getattr(mixed_precision, "value", mixed_precision)).strip().lower()
+
+
+class Accelerator(accelerate.Accelerator):
+    """accelerate.Accelerator that also takes `fp8plug.FP8RecipeKwargs` and trains in FP8 with any
+    fp8plug engine (native, torchao, TransformerEngine, MS-AMP).
+
+    Same arguments as accelerate.Accelerator. FP8 is on when mixed precision is "fp8" (the
+    argument, or `accelerate launch --mixed_precision fp8`, or a config file); the recipe is the
+    `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
+
+    Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Backend),
+    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model).
+    `fp8_backend` reports FP8BackendType.NO on purpose: it is what keeps accelerate's own FP8
+    code paths off; use `fp8_engine.name`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        bound = _INIT_SIGNATURE.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        handlers = list(arguments.get("kwargs_handlers") or [])
+        recipe = _take_recipe(handlers)
+        precision = requested_precision(arguments.get("mixed_precision"))
+        fp8_on = precision == "fp8"
+        if recipe is not None and not fp8_on:
+            where = "" if arguments.get("mixed_precision") is not None else " (from ACCELERATE_MIXED_PRECISION)"
+            raise ValueError(
+                f"FP8RecipeKwargs was passed in kwargs_handlers but mixed_precision is {precision!r}{where}; "
+                "pass Accelerator(mixed_precision='fp8', ...) or launch with `--mixed_precision fp8` "
+                "(or `mixed_precision: fp8` in the config file)."
+            )
+        if fp8_on:
+            recipe = recipe or FP8RecipeKwargs()
+            arguments["mixed_precision"] = "bf16"  # what runs outside the FP8 Linears
+        arguments["kwargs_handlers"] = handlers
+        self._fp8_view_backend = FP8BackendType.NO
+        super().__init__(**arguments)
+
+        self.fp8_enabled = fp8_on
+        self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe
+        self.fp8_recipe_handler = recipe
+        self.fp8_selection = None
+        self.fp8_engine: Optional[Backend] = None
+        self.fp8_reports: List[ConversionReport] = []
+        self._fp8_models: List[nn.Module] = []
+        self._fp8_step_hooks: Dict[tuple, object] = {}
+        if fp8_on:
+            self.fp8_selection = select_backend(recipe.backend, device=self.device)
+            self.fp8_engine = self.fp8_selection.backend
+            self.fp8_engine.scaling_name(recipe)  # a bad `scaling` fails here, not mid-prepare
+            self.register_for_checkpointing(FP8CheckpointState(self.fp8_engine, self._fp8_models))
+
+    # what accelerate sees -------------------------------------------------------------------------
+    @property
+    def mixed_precision(self):
+        if getattr(self, "fp8_enabled", False) and getattr(self, "fp8_engine", None) is not None:
+            return "fp8"
+        return super().mixed_precision
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        # NO keeps accelerate's _prepare_te/_prepare_ao/_prepare_msamp and TE autowrap off: fp8plug
+        # does that work. (Accelerate itself would also fail on `native` or a lower-case `ao`.)
+        return self._fp8_view_backend
+
+    def _get_named_parameters(self, *args, drop_refs=False):
+        # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
+        # torchao's float8 weight wrapper only when it believes torchao is the FP8 backend.
+        if self.fp8_engine is not None and self.fp8_engine.name == "ao":
+            self._fp8_view_backend = FP8BackendType.AO
+        try:
+            return super()._get_named_parameters(*args, drop_refs=drop_refs)
+        finally:
+            self._fp8_view_backend = FP8BackendType.NO
+
+    # prepare ---------------------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """accelerate's prepare, with every new model converted to FP8 first (see the module doc)."""
+        if self.fp8_engine is None:
+            return super().prepare(*args, device_placement=device_placement)
+        args = list(args)
+        placements = device_placement or [None] * len(args)
+        new_models = [
+            i for i, obj in enumerate(args)
+            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False)
+        ]
+        for i in new_models:
+            _refuse_wrapped(args[i], i)
+        optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
+        optimizers += [getattr(opt, "optimizer", opt) for opt in self._optimizers]
+        for i in new_models:
+            args[i] = self._convert(args[i], optimizers, placements[i])
+        self._pair_with_optimizers(args, [args[i] for i in new_models])
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _convert(self, model: nn.Module, optimizers, placement) -> nn.Module:
+        """Convert one model (once), keep optimizers on its parameters, wrap its forward."""
+        if any(model is m for m in self._fp8_models):
+            return model
+        if self._should_place(placement) and not _on_meta(model):
+            model.to(self.device)  # engines build their modules where the weights already are
+        before = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            report = self.fp8_engine.convert(model, self.fp8_recipe)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        _rebind_optimizers(optimizers, before, after, type(model).__name__)
+        install_plain_state_dict(model, self.fp8_engine)
+        apply_fp8_autowrap(model, self.fp8_recipe, backend=self.fp8_engine)
+        self.fp8_reports.append(report)
+        self._fp8_models.append(model)
+        return model
+
+    def _should_place(self, placement) -> bool:
+        if placement is False or not self.device_placement:
+            return False
+        fsdp = self.state.fsdp_plugin if self.is_fsdp2 else None
+        return not (fsdp is not None and getattr(fsdp, "cpu_ram_efficient_loading", False))
+
+    def _pair_with_optimizers(self, args: list, models: List[nn.Module]) -> None:
+        """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP), and hook the
+        engine's after-step work onto each optimizer that steps a converted model."""
+        engine = self.fp8_engine
+        adapts_pairs = type(engine).prepare is not Backend.prepare
+        for model in models:
+            params = {id(p) for p in model.parameters()}
+            holders = [
+                i for i, obj in enumerate(args)
+                if isinstance(obj, torch.optim.Optimizer)
+                and any(id(p) in params for group in obj.param_groups for p in group["params"])
+            ]
+            if adapts_pairs:
+                if len(holders) > 1:
+                    raise ValueError(
+                        f"the {engine.title} engine adapts one optimizer per model, but {len(holders)} "
+                        f"optimizers passed to prepare() hold parameters of {type(model).__name__}; "
+                        "use one optimizer per model."
+                    )
+                optimizer = args[holders[0]] if holders else None
+                new_model, new_optimizer = engine.prepare(model, optimizer, self.fp8_recipe)
+                _replace(args, model, new_model)
+                if optimizer is not None:
+                    args[holders[0]] = new_optimizer
+                if new_model is not model:
+                    self._fp8_models[self._fp8_models.index(model)] = new_model
+                model = new_model
+            for i in holders:
+                self._hook_after_step(args[i], model)
+
+    def _hook_after_step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step:
+            return
+        key = (id(optimizer), id(model))
+        if key in self._fp8_step_hooks:
+            return
+        engine = self.fp8_engine
+        self._fp8_step_hooks[key] = optimizer.register_step_post_hook(
+            lambda *_args, **_kwargs: engine.after_optimizer_step(model)
+        )
+
+    # training ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        """accelerate's accumulate; the engine also learns whether this micro-batch is the first of
+        its accumulation window (TransformerEngine then casts weights to FP8 once per window)."""
+        with super().accumulate(*models):
+            microbatch = getattr(self.fp8_engine, "microbatch", None)
+            if microbatch is None:
+                yield
+                return
+            num_steps = self.gradient_state.num_steps
+            first = num_steps <= 1 or (self.step - 1) % num_steps == 0
+            with microbatch(first):
+                yield
+
+    # checkpoints -------------------------------------------------------------------------------------
+    def get_state_dict(self, model, unwrap=True):
+        """accelerate's get_state_dict with the plain architecture's keys (no engine entries)."""
+        state_dict = super().get_state_dict(model, unwrap=unwrap)
+        if self.fp8_engine is None or state_dict is None:
+            return state_dict
+        return plain_state_dict(state_dict, self.fp8_engine)
+
+
+def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
+    """Remove fp8plug's FP8RecipeKwargs from `handlers` (in place) and return it."""
+    ours = [h for h in handlers if isinstance(h, FP8RecipeKwargs)]
+    theirs = [h for h in handlers if isinstance(h, _ACCELERATE_FP8_HANDLERS)]
+    if theirs:
+        raise ValueError(
+            f"fp8plug.Accelerator: kwargs_handlers holds accelerate's own {type(theirs[0]).__name__}; "
+            "use fp8plug.FP8RecipeKwargs instead (backend='te', 'ao', 'msamp' or 'native' and the same "
+            "recipe fields), which works with every engine."
+        )
+    if len(ours) > 1:
+        raise ValueError("fp8plug.Accelerator: pass at most one FP8RecipeKwargs in kwargs_handlers.")
+    for handler in ours:
+        handlers.remove(handler)
+    return ours[0] if ours else None
+
+
+def _refuse_wrapped(model: nn.Module, index: int) -> None:
+    kind = wrapped_kind(model)
+    if kind:
+        raise ConversionError(
+            f"prepare(): argument {index} ({type(model).__name__}) is already {kind}; FP8 conversion must "
+            "come first. Pass the plain model: fp8plug.Accelerator converts it, then wraps it "
+            "(DDP/FSDP2) and compiles it (dynamo_backend) itself."
+        )
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _replace(args: list, old, new) -> None:
+    for i, obj in enumerate(args):
+        if obj is old:
+            args[i] = new
+
+
+def _rebind_optimizers(optimizers, before: dict, after: dict, model_name: str) -> None:
+    """Point optimizers at the converted parameters where conversion made new Parameter objects,
+    and refuse to go on if an optimizer would keep a parameter the model no longer has."""
+    mapping = {}
+    gone = set()
+    for name, old in before.items():
+        new = after.get(name)
+        if new is None:
+            gone.add(id(old))
+        elif new is not old:
+            mapping[id(old)] = new
+    if not mapping and not gone:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            stale = [p for p in group["params"] if id(p) in gone]
+            if stale:
+                names = [n for n, p in before.items() if any(p is s for s in stale)]
+                raise ConversionError(
+                    f"FP8 conversion of {model_name} removed parameter(s) {names} that an optimizer "
+                    "steps; create the optimizer over parameters the converted model keeps."
+                )
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        for p_id, new in mapping.items():
+            for old in [p for p in list(optimizer.state) if id(p) == p_id]:
+                optimizer.state[new] = optimizer.state.pop(old)
+
+
+__all__ = ["Accelerator", "requested_precision"]

@@ -1,0 +1,55 @@
+"""The `fp8plug` command: `fp8plug env` (what can run here and what would be chosen) and
+`fp8plug bench` (Linear speed per engine, see fp8plug.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Optional, Sequence
+
+
+def env_report(device=None) -> str:
+    """Versions, the device, every engine's availability with its reason, and the automatic choice."""
+    import torch
+
+    import accelerate
+
+    from .backends import BackendUnavailableError, select_backend
+    from .hardware import device_info
+
+    info = device_info(device)
+    lines = [
+        f"Python       {platform.python_version()} ({sys.executable})",
+        f"torch        {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
+        f"accelerate   {accelerate.__version__}",
+        f"device       {info.describe()}; FP8 GEMMs: {'yes' if info.fp8_gemm else 'no'}",
+    ]
+    try:
+        selection = select_backend(None, info)
+        lines.append(selection.explain())
+        lines.append(f"automatic choice: {selection.name} ({selection.backend.title})")
+    except BackendUnavailableError as exc:
+        lines.append(str(exc))
+        lines.append("automatic choice: none")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fp8plug", description="fp8plug: FP8 training for PyTorch and Accelerate")
+    commands = parser.add_subparsers(dest="command", required=True)
+    env = commands.add_parser("env", help="report versions, the device, each FP8 engine and the automatic choice")
+    env.add_argument("--device", default=None, help="device to judge (default: cuda if present, else cpu)")
+    bench = commands.add_parser("bench", help="time Linear forward+backward per engine against bf16")
+    from . import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        print(env_report(args.device))
+        return 0
+    return bench_module.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

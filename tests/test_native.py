@@ -1,0 +1,223 @@
+"""The native engine: numerics against float64, TransformerEngine's delayed-scaling state,
+fallbacks, eval policy, compile and checkpoints."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8plug
+from fp8plug.backends.native import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    NativeFP8Linear,
+    native_fp8_autocast,
+)
+from tests._numerics import sqnr_db
+
+OPTIONS = dict(scaling="delayed", fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,
+               amax_compute_algo="most_recent", override_linear_precision=(False, False, False))
+
+
+def make(in_f=128, out_f=64, bias=True, **overrides):
+    torch.manual_seed(0)
+    return NativeFP8Linear.from_linear(nn.Linear(in_f, out_f, bias=bias), **{**OPTIONS, **overrides})
+
+
+def reference_grads(layer, x, grad):
+    xd = x.detach().double().requires_grad_()
+    wd = layer.weight.detach().double().requires_grad_()
+    bd = layer.bias.detach().double().requires_grad_() if layer.bias is not None else None
+    out = F.linear(xd, wd, bd)
+    out.backward(grad.double())
+    return out, xd.grad, wd.grad, (bd.grad if bd is not None else None)
+
+
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+@pytest.mark.parametrize("k", [64, 256])
+def test_numerics_against_float64(scaling, fmt, k):
+    layer = make(in_f=k, out_f=96, scaling=scaling, fp8_format=fmt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):  # several steps, so delayed scaling runs on its history, not on step 0
+        x = torch.randn(64, k, generator=gen, requires_grad=True)
+        grad = torch.randn(64, 96, generator=gen)
+        layer.weight.grad = layer.bias.grad = None
+        out = layer(x)
+        out.backward(grad)
+    ref_out, ref_dx, ref_dw, ref_db = reference_grads(layer, x, grad)
+    assert sqnr_db(out, ref_out) >= 20
+    assert sqnr_db(x.grad, ref_dx) >= 18
+    assert sqnr_db(layer.weight.grad, ref_dw) >= 18
+    assert sqnr_db(layer.bias.grad, ref_db) >= 40  # the bias gradient is exact up to float32
+
+
+def test_three_dimensional_input_and_bf16():
+    layer = make(in_f=64, out_f=32).to(torch.bfloat16)
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (4, 8, 32) and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.bfloat16
+    ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert sqnr_db(out, ref) >= 20
+
+
+def test_output_follows_autocast_dtype():
+    layer = make(in_f=64, out_f=32)
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+
+
+def scale_reference(amax, fmt_max, margin):
+    return fmt_max / amax / 2**margin
+
+
+@pytest.mark.parametrize("algo", ["most_recent", "max"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_scaling_follows_transformer_engine(algo, margin):
+    """scale = fp8_max / amax / 2**margin, amax from the history (newest or max), history rolls."""
+    history_len = 3
+    layer = make(in_f=16, out_f=16, bias=False, amax_history_len=history_len, amax_compute_algo=algo, margin=margin)
+    layer.weight.data.fill_(0.5)
+    amaxes = [1.0, 4.0, 2.0, 0.5, 3.0]
+    seen = []
+    for step, amax in enumerate(amaxes):
+        x = torch.zeros(16, 16)
+        x[0, 0] = amax
+        layer(x)
+        seen.append(amax)
+        history = layer.fp8_amax_history[:, 0].tolist()
+        expected_history = (list(reversed(seen)) + [0.0] * history_len)[:history_len]
+        assert history == pytest.approx(expected_history)
+        if step == 0:
+            # step 0 has no history: the scale comes from the current amax
+            expected = scale_reference(amax, FP8_MAX[E4M3], margin)
+        else:
+            past = list(reversed(seen[:-1]))[:history_len]
+            reduced = past[0] if algo == "most_recent" else max(past)
+            expected = scale_reference(reduced, FP8_MAX[E4M3], margin)
+        assert layer.fp8_scale[0].item() == pytest.approx(expected, rel=1e-6)
+        assert layer.fp8_scale[1].item() == pytest.approx(scale_reference(0.5, FP8_MAX[E4M3], margin), rel=1e-6)
+
+
+def test_delayed_scaling_interval():
+    layer = make(in_f=16, out_f=16, bias=False, interval=2, amax_history_len=4)
+    scales = []
+    for amax in [1.0, 2.0, 4.0, 8.0, 16.0]:
+        x = torch.zeros(16, 16)
+        x[0, 0] = amax
+        layer(x)
+        scales.append(layer.fp8_scale[0].item())
+    m = FP8_MAX[E4M3]
+    # step 0: current amax; step 1 keeps it; step 2 recomputes from step 1's amax; step 3 keeps;
+    # step 4 recomputes from step 3's amax (most_recent)
+    assert scales == pytest.approx([m / 1, m / 1, m / 2, m / 2, m / 8])
+
+
+def test_grad_output_scaling_state_and_format():
+    layer = make(in_f=32, out_f=32, amax_history_len=4)
+    for value in [2.0, 8.0]:
+        x = torch.randn(16, 32, requires_grad=True)
+        layer(x).backward(torch.full((16, 32), value))
+    assert layer.fp8_amax_history[:2, 2].tolist() == [8.0, 2.0]
+    assert layer.fp8_scale[2].item() == pytest.approx(FP8_MAX[E5M2] / 2.0)
+    assert layer.bwd_dtype == E5M2
+    assert make(fp8_format="E4M3").bwd_dtype == E4M3
+
+
+def test_saturates_instead_of_overflowing():
+    layer = make(in_f=32, out_f=32, amax_history_len=2)
+    layer(torch.randn(16, 32) * 0.01)
+    layer(torch.randn(16, 32) * 0.01)
+    out = layer(torch.randn(16, 32) * 1000)  # far beyond the delayed scale's range
+    assert torch.isfinite(out).all()
+
+
+def test_override_linear_precision_runs_those_gemms_in_high_precision():
+    layer = make(in_f=64, out_f=32, override_linear_precision=(True, True, True))
+    plain = nn.Linear(64, 32)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(16, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = layer(x)
+    ref = plain(x2)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+
+
+def test_override_wgrad_only_keeps_fp8_elsewhere():
+    layer = make(in_f=64, out_f=32, override_linear_precision=(False, False, True))
+    plain = nn.Linear(64, 32)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(16, 64)
+    out = layer(x)
+    out.sum().backward()
+    ref = plain(x)
+    ref.sum().backward()
+    assert not torch.equal(out, ref)  # fprop in FP8
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad)  # wgrad in high precision
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (3, 5, 64), (1, 64), (15, 64)])
+def test_unaligned_token_counts_run_in_high_precision(shape):
+    layer = make(in_f=64, out_f=32)
+    x = torch.randn(*shape)
+    out = layer(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
+    assert layer.fp8_step.tolist() == [0, 0, 0]  # no FP8 step was taken
+
+
+def test_eval_runs_in_high_precision_unless_asked():
+    layer = make(in_f=64, out_f=32)
+    x = torch.randn(16, 64)
+    layer.eval()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    with native_fp8_autocast(enabled=True):
+        assert not torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.train()
+    with native_fp8_autocast(enabled=False):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_compiles_without_graph_breaks():
+    layer = make(in_f=64, out_f=64)
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(32, 64)
+        out_c = compiled(x)
+        out_c.sum().backward()
+        out_e = eager(x)
+        out_e.sum().backward()
+    torch.testing.assert_close(out_c, out_e, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.fp8_amax_history, eager.fp8_amax_history)
+    torch.testing.assert_close(layer.fp8_scale, eager.fp8_scale)
+    assert layer.fp8_step.tolist() == [2, 2, 2]
+
+
+def test_conversion_keeps_parameters_and_state_dict():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    params_before = [id(p) for p in model.parameters()]
+    plain_state = copy.deepcopy(model.state_dict())
+    report = fp8plug.convert_model(model, backend="native")
+    assert report.converted == ["0", "2"]
+    assert [id(p) for p in model.parameters()] == params_before
+    assert model.state_dict().keys() == plain_state.keys()
+    model(torch.randn(16, 64)).sum().backward()
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    model.load_state_dict(plain_state, strict=True)  # a plain checkpoint loads into the converted model
+    fp8plug.unconvert_model(model)
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, plain_state["0.weight"])

@@ -1,0 +1,125 @@
+"""Engine selection: lazy imports, the automatic order gated by hardware, broken installs
+reported (not raised), explicit requests that cannot run, and the reasons kept for every engine.
+
+Stand-in packages here only exercise fp8plug's own selection and error logic."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fp8plug
+from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
+from fp8plug.backends.base import Probe, probe_import
+from fp8plug.hardware import DeviceInfo
+
+H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
+A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
+CPU = DeviceInfo("cpu", "x86_64")
+
+
+def test_import_fp8plug_imports_no_engine():
+    code = (
+        "import sys, fp8plug; "
+        "bad=[m for m in sys.modules if m.split('.')[0] in ('transformer_engine','msamp','torchao')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """Write a stand-in package tree under tmp_path and put it first on sys.path."""
+
+    def write(files):
+        for rel, body in files.items():
+            path = tmp_path / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(body))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in list(sys.modules):
+            if name.split(".")[0] in {p.split("/")[0] for p in files}:
+                monkeypatch.delitem(sys.modules, name)
+
+    return write
+
+
+@pytest.mark.parametrize("error", ["OSError('libcuda.so.1: cannot open shared object file')",
+                                   "RuntimeError('no CUDA driver')", "ImportError('undefined symbol')"])
+def test_installed_but_broken_engine_is_reported(stand_in, error):
+    stand_in({
+        "transformer_engine/__init__.py": "__version__ = '2.0'\n",
+        "transformer_engine/pytorch/__init__.py": f"raise {error}\n",
+    })
+    probe = get_backend("te").probe()
+    assert not probe.available
+    assert "installed but not importable" in probe.reason
+    selection = select_backend(None, H100)  # no crash; the reason is kept
+    assert "not importable" in selection.verdicts["te"].reason
+    assert selection.name != "te"
+
+
+def test_missing_engine_says_not_installed_and_how_to_install():
+    probe = probe_import("fp8plug_no_such_engine")
+    assert probe == Probe(False, reason="not installed")
+    assert "pip install" in get_backend("te").install_hint
+
+
+def test_dependency_missing_inside_engine_is_a_broken_install(stand_in):
+    stand_in({"fakeengine/__init__.py": "import fp8plug_missing_dependency\n"})
+    probe = probe_import("fakeengine")
+    assert not probe.available and "fp8plug_missing_dependency" in probe.reason
+
+
+def available(monkeypatch, *names):
+    """Pretend exactly `names` import (selection logic only; no engine runs)."""
+    for name in ("msamp", "te", "ao", "native"):
+        probe = Probe(True, "test") if name in names else Probe(False, reason="not installed")
+        monkeypatch.setattr(get_backend(name), "probe", lambda probe=probe: probe)
+
+
+@pytest.mark.parametrize("present,device,expected", [
+    (("msamp", "te", "ao", "native"), H100, "msamp"),
+    (("te", "ao", "native"), H100, "te"),
+    (("ao", "native"), H100, "ao"),
+    (("native",), H100, "native"),
+    (("msamp", "te", "ao", "native"), CPU, "ao"),
+    (("msamp", "te", "native"), CPU, "native"),
+])
+def test_automatic_order_gated_by_hardware(monkeypatch, present, device, expected):
+    available(monkeypatch, *present)
+    selection = select_backend(None, device)
+    assert selection.name == expected
+    assert set(selection.verdicts) == {"msamp", "te", "ao", "native"}  # every engine has a reason
+    assert all(v.reason for v in selection.verdicts.values())
+
+
+def test_gpu_below_sm89_is_refused_with_the_reason(monkeypatch):
+    available(monkeypatch, "msamp", "te", "ao", "native")
+    with pytest.raises(BackendUnavailableError, match="compute capability 8.0; FP8 GEMMs need 8.9"):
+        select_backend(None, A100)
+
+
+def test_explicit_engine_that_cannot_run_says_why_and_how_to_install(monkeypatch):
+    available(monkeypatch, "native")
+    with pytest.raises(BackendUnavailableError, match="'te'.*not installed.*pip install"):
+        select_backend("TE", H100)
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
+        available(monkeypatch, "te", "native")
+        select_backend("te", CPU)
+
+
+def test_explain_lists_every_engine(monkeypatch):
+    available(monkeypatch, "ao", "native")
+    text = select_backend(None, CPU).explain()
+    for name in ("msamp", "te", "ao", "native"):
+        assert name in text
+    assert "chosen" in text
+
+
+def test_real_selection_on_this_machine():
+    selection = select_backend("native")
+    assert selection.name == "native"
+    assert isinstance(fp8plug.get_backend("NATIVE"), type(selection.backend))
