@@ -18,16 +18,17 @@ own engines, and `accelerate launch` hands it FP8 settings it cannot read (a low
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 from typing import Dict, List, Optional
 
 import accelerate
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from accelerate.utils import FP8RecipeKwargs as AccelerateFP8RecipeKwargs
 from accelerate.utils.dataclasses import FP8BackendType
-from accelerate.utils.other import extract_model_from_parallel
 from torch import nn
 
 from .autocast import apply_fp8_autowrap
@@ -121,6 +122,17 @@ class Accelerator(accelerate.Accelerator):
         finally:
             self._fp8_view_backend = FP8BackendType.NO
 
+    def _prepare_fsdp2(self, *args):
+        # accelerate finds each optimizer parameter's sharded replacement by data pointer. A tensor
+        # subclass wrapping the weight (torchao's float8 all-gather weight) reports 0 there, so the
+        # optimizer is handed the wrapped tensor for that lookup; it shares the weight's storage.
+        if self.fp8_engine is not None:
+            for obj in args:
+                if isinstance(obj, torch.optim.Optimizer):
+                    for group in obj.param_groups:
+                        group["params"] = [storage_view(p) for p in group["params"]]
+        return super()._prepare_fsdp2(*args)
+
     # prepare ---------------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
         """accelerate's prepare, with every new model converted to FP8 first (see the module doc)."""
@@ -139,6 +151,9 @@ class Accelerator(accelerate.Accelerator):
         for i in new_models:
             args[i] = self._convert(args[i], optimizers, placements[i])
         self._pair_with_optimizers(args, [args[i] for i in new_models])
+        for model in self._fp8_models:  # models prepared earlier count for new optimizers too
+            for i in _holders(args, model):
+                self._hook_after_step(args[i], model)
         return super().prepare(*args, device_placement=device_placement)
 
     def _convert(self, model: nn.Module, optimizers, placement) -> nn.Module:
@@ -148,8 +163,13 @@ class Accelerator(accelerate.Accelerator):
         if self._should_place(placement) and not _on_meta(model):
             model.to(self.device)  # engines build their modules where the weights already are
         before = dict(model.named_parameters(remove_duplicate=False))
+        recipe = self.fp8_recipe
+        if getattr(recipe, "enable_fsdp_float8_all_gather", False) and not self.is_fsdp2:
+            # `accelerate launch` exports this as true by default; it only means something under FSDP2
+            recipe = copy.copy(recipe)
+            recipe.enable_fsdp_float8_all_gather = False
         with torch.no_grad():
-            report = self.fp8_engine.convert(model, self.fp8_recipe)
+            report = self.fp8_engine.convert(model, recipe)
         after = dict(model.named_parameters(remove_duplicate=False))
         _rebind_optimizers(optimizers, before, after, type(model).__name__)
         install_plain_state_dict(model, self.fp8_engine)
@@ -165,34 +185,26 @@ class Accelerator(accelerate.Accelerator):
         return not (fsdp is not None and getattr(fsdp, "cpu_ram_efficient_loading", False))
 
     def _pair_with_optimizers(self, args: list, models: List[nn.Module]) -> None:
-        """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP), and hook the
-        engine's after-step work onto each optimizer that steps a converted model."""
+        """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP: the optimizer in
+        the same prepare() call that holds the model's parameters, or None)."""
         engine = self.fp8_engine
-        adapts_pairs = type(engine).prepare is not Backend.prepare
+        if type(engine).prepare is Backend.prepare:
+            return
         for model in models:
-            params = {id(p) for p in model.parameters()}
-            holders = [
-                i for i, obj in enumerate(args)
-                if isinstance(obj, torch.optim.Optimizer)
-                and any(id(p) in params for group in obj.param_groups for p in group["params"])
-            ]
-            if adapts_pairs:
-                if len(holders) > 1:
-                    raise ValueError(
-                        f"the {engine.title} engine adapts one optimizer per model, but {len(holders)} "
-                        f"optimizers passed to prepare() hold parameters of {type(model).__name__}; "
-                        "use one optimizer per model."
-                    )
-                optimizer = args[holders[0]] if holders else None
-                new_model, new_optimizer = engine.prepare(model, optimizer, self.fp8_recipe)
-                _replace(args, model, new_model)
-                if optimizer is not None:
-                    args[holders[0]] = new_optimizer
-                if new_model is not model:
-                    self._fp8_models[self._fp8_models.index(model)] = new_model
-                model = new_model
-            for i in holders:
-                self._hook_after_step(args[i], model)
+            holders = _holders(args, model)
+            if len(holders) > 1:
+                raise ValueError(
+                    f"the {engine.title} engine adapts one optimizer per model, but {len(holders)} "
+                    f"optimizers passed to prepare() hold parameters of {type(model).__name__}; "
+                    "use one optimizer per model."
+                )
+            optimizer = args[holders[0]] if holders else None
+            new_model, new_optimizer = engine.prepare(model, optimizer, self.fp8_recipe)
+            _replace(args, model, new_model)
+            if optimizer is not None:
+                args[holders[0]] = new_optimizer
+            if new_model is not model:
+                self._fp8_models[self._fp8_models.index(model)] = new_model
 
     def _hook_after_step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step:
@@ -201,6 +213,8 @@ class Accelerator(accelerate.Accelerator):
         if key in self._fp8_step_hooks:
             return
         engine = self.fp8_engine
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer  # its step() calls the wrapped optimizer's, hooks and all
         self._fp8_step_hooks[key] = optimizer.register_step_post_hook(
             lambda *_args, **_kwargs: engine.after_optimizer_step(model)
         )
@@ -211,16 +225,31 @@ class Accelerator(accelerate.Accelerator):
         """accelerate's accumulate; the engine also learns whether this micro-batch is the first of
         its accumulation window (TransformerEngine then casts weights to FP8 once per window)."""
         with super().accumulate(*models):
-            microbatch = getattr(self.fp8_engine, "microbatch", None)
-            if microbatch is None:
+            if self.fp8_engine is None:
                 yield
                 return
             num_steps = self.gradient_state.num_steps
-            first = num_steps <= 1 or (self.step - 1) % num_steps == 0
-            with microbatch(first):
+            # None without accumulation: nothing to cache between micro-batches.
+            first = None if num_steps <= 1 else (self.step - 1) % num_steps == 0
+            with self.fp8_engine.microbatch(first):
                 yield
 
     # checkpoints -------------------------------------------------------------------------------------
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """accelerate's unwrap_model. With keep_fp32_wrapper=False accelerate would rebind the forward
+        it saved as a method, which fp8plug's FP8 forward wrapper is not; here the bf16/fp32
+        wrapper is dropped and the FP8 one kept (the model stays an FP8 model)."""
+        if keep_fp32_wrapper or self.fp8_engine is None:
+            return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        unwrapped = super().unwrap_model(model, keep_fp32_wrapper=True, keep_torch_compile=keep_torch_compile)
+        inner = getattr(unwrapped, "_orig_mod", unwrapped)
+        if any(inner is m for m in self._fp8_models):
+            original = inner.__dict__.pop("_original_forward", None)
+            if original is not None:
+                inner.forward = original
+            return unwrapped
+        return super().unwrap_model(model, keep_fp32_wrapper=False, keep_torch_compile=keep_torch_compile)
+
     def get_state_dict(self, model, unwrap=True):
         """accelerate's get_state_dict with the plain architecture's keys (no engine entries)."""
         state_dict = super().get_state_dict(model, unwrap=unwrap)
@@ -246,6 +275,19 @@ def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
     return ours[0] if ours else None
 
 
+def storage_view(param: torch.Tensor) -> torch.Tensor:
+    """`param`, or the plain tensor inside it when it is a wrapper subclass without storage of its
+    own (data_ptr() == 0) that keeps the real one as `_tensor`, as torchao's float8 weights do."""
+    inner = getattr(param, "_tensor", None)
+    if isinstance(inner, torch.Tensor):
+        try:
+            if param.data_ptr() == 0:
+                return inner
+        except RuntimeError:
+            return inner
+    return param
+
+
 def _refuse_wrapped(model: nn.Module, index: int) -> None:
     kind = wrapped_kind(model)
     if kind:
@@ -258,6 +300,16 @@ def _refuse_wrapped(model: nn.Module, index: int) -> None:
 
 def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _holders(args: list, model: nn.Module) -> List[int]:
+    """Indices of the optimizers in `args` that step any parameter of `model`."""
+    params = {id(p) for p in model.parameters()}
+    return [
+        i for i, obj in enumerate(args)
+        if isinstance(obj, torch.optim.Optimizer)
+        and any(id(p) in params for group in obj.param_groups for p in group["params"])
+    ]
 
 
 def _replace(args: list, old, new) -> None:

@@ -48,7 +48,7 @@ SWEEP_SHAPES: List[Shape] = [
     (m, k, n)
     for m in (2048, 16384)
     for k, n in ((1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 8192), (8192, 1024))
-]
+] + [(16384, 128, 8192), (16384, 8192, 128)]
 SHAPE_PRESETS: Dict[str, List[Shape]] = {
     "llama70b": LLAMA70B_SHAPES,
     "tiny": CPU_SHAPES,
@@ -59,7 +59,7 @@ BF16 = "bf16"
 GEMM_BOUND = "fp8-gemm"  # the three FP8 GEMMs alone, operands cast beforehand: an upper bound
 CSV_COLUMNS = (
     "shape", "M", "K", "N", "mode", "engine", "backend", "scaling", "default_scaling",
-    "ms", "tflops", "speedup", "error",
+    "ms", "tflops", "speedup", "vs_bf16_compiled", "error",
 )
 
 
@@ -276,7 +276,8 @@ def _linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device
         if not report.converted:
             why = "; ".join(f"{name}: {reason}" for name, reason in report.skipped.items()) or "nothing converted"
             raise BenchSkip(f"not converted ({why})")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        # engines that adapt a (model, optimizer) pair (MS-AMP) need one; it never steps
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.0)
         model = engine.prepare(model, optimizer, recipe)[0]
 
         def autocast():
@@ -346,7 +347,7 @@ def measure(spec: EngineSpec, shape: Shape, mode: str, device: torch.device, tim
         "shape": f"{m}x{k}x{n}", "M": m, "K": k, "N": n, "mode": mode,
         "engine": spec.label,
         "backend": spec.backend, "scaling": spec.scaling, "default_scaling": spec.default_scaling,
-        "ms": None, "tflops": None, "speedup": None, "error": None,
+        "ms": None, "tflops": None, "speedup": None, "vs_bf16_compiled": None, "error": None,
     }
     if unavailable_reason:
         row["error"] = f"unavailable: {unavailable_reason}"
@@ -365,6 +366,8 @@ def measure(spec: EngineSpec, shape: Shape, mode: str, device: torch.device, tim
         row["error"] = _error_text(exc)
     finally:
         step = reset = None
+        if mode == "compiled":
+            torch._dynamo.reset()  # drop the compiled code, and with it the last case's tensors
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -372,11 +375,15 @@ def measure(spec: EngineSpec, shape: Shape, mode: str, device: torch.device, tim
 
 
 def add_speedups(rows: List[dict]) -> List[dict]:
-    """speedup = bf16 ms / this row's ms, against bf16 at the same shape and mode."""
+    """speedup = bf16 ms / this row's ms, against bf16 at the same shape and mode; and
+    vs_bf16_compiled, against compiled bf16 at the same shape (the usual baseline, e.g. for an
+    engine that only runs eager)."""
     base = {(r["shape"], r["mode"]): r["ms"] for r in rows if r["engine"] == BF16 and r["ms"]}
     for row in rows:
         ref = base.get((row["shape"], row["mode"]))
         row["speedup"] = ref / row["ms"] if ref and row["ms"] else None
+        ref = base.get((row["shape"], "compiled"))
+        row["vs_bf16_compiled"] = ref / row["ms"] if ref and row["ms"] else None
     return rows
 
 
@@ -422,11 +429,18 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_table(rows: List[dict]) -> str:
-    """A plain text table: shape, mode, engine, ms, TFLOP/s, speed-up over bf16, note."""
-    header = ("shape (MxKxN)", "mode", "engine", "ms", "TFLOP/s", "vs bf16", "note")
+    """A plain text table: shape, mode, engine, ms, TFLOP/s, speed-up over bf16 of the same mode
+    (and over compiled bf16 when eager rows sit beside compiled ones), note."""
+    both = {r["mode"] for r in rows} == set(MODES)
+    header = ("shape (MxKxN)", "mode", "engine", "ms", "TFLOP/s", "vs bf16") + (
+        ("vs bf16 compiled",) if both else ()) + ("note",)
+
+    def ratio(value):
+        return "-" if value is None else f"{value:.2f}x"
+
     body = [
-        (r["shape"], r["mode"], r["engine"], _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"),
-         "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", r["error"] or "")
+        (r["shape"], r["mode"], r["engine"], _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"), ratio(r["speedup"]))
+        + ((ratio(r["vs_bf16_compiled"]),) if both else ()) + (r["error"] or "",)
         for r in rows
     ]
     widths = [max(len(str(line[i])) for line in [header] + body) for i in range(len(header) - 1)]

@@ -13,7 +13,7 @@ resumed run continues exactly where it stopped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Set
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Set, Union
 
 import torch
 from torch import nn
@@ -29,11 +29,13 @@ def plain_state_dict(state_dict: Dict[str, torch.Tensor], engine: "Backend") -> 
     return engine.plain_state_dict(dict(state_dict))
 
 
-def engine_keys(keys: Iterable[str], engine: "Backend") -> Set[str]:
-    """Which of `keys` are the engine's own entries (those `plain_state_dict` drops)."""
-    keys = list(keys)
-    kept = engine.plain_state_dict({key: torch.empty(0) for key in keys})
-    return set(keys) - set(kept)
+def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Backend") -> Set[str]:
+    """Which entries are the engine's own (those `plain_state_dict` drops). Given only keys (a
+    load's missing keys), each is asked about with an empty tensor as its value."""
+    if not isinstance(entries, Mapping):
+        entries = {key: torch.empty(0) for key in entries}
+    kept = engine.plain_state_dict(dict(entries))
+    return set(entries) - set(kept)
 
 
 def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
@@ -43,7 +45,7 @@ def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
         return model
 
     def drop_engine_entries(module, state_dict, prefix, local_metadata):
-        ours = [key for key in state_dict if key.startswith(prefix)]
+        ours = {key: value for key, value in state_dict.items() if key.startswith(prefix)}
         for key in engine_keys(ours, engine):
             del state_dict[key]
 

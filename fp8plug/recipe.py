@@ -30,6 +30,7 @@ BACKENDS = ("msamp", "te", "ao", "native")
 FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2")
+OPTIMIZER_STATES = ("fp8", "8bit", "4bit")  # fp8plug.optim: torchao low-bit Adam/AdamW states
 
 DEFAULTS = {
     "backend": None,
@@ -41,6 +42,9 @@ DEFAULTS = {
     "amax_history_len": 1024,
     "amax_compute_algo": "most_recent",
     "override_linear_precision": (False, False, False),
+    "enable_fsdp_float8_all_gather": False,
+    "pad_inner_dim": False,
+    "optimizer_states": None,
 }
 
 # field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
@@ -55,6 +59,10 @@ ENV_NAMES = {
     "fp8_format": ("ACCELERATE_FP8_FORMAT", None),
     "amax_history_len": ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH"),
     "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
+    "enable_fsdp_float8_all_gather": ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", None),
+    "pad_inner_dim": ("ACCELERATE_FP8_PAD_INNER_DIM", None),
+    # fp8plug's own (accelerate launch knows nothing of it)
+    "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", None),
 }
 OVERRIDE_ENV_NAMES = (
     "ACCELERATE_FP8_OVERRIDE_FPROP",
@@ -143,6 +151,15 @@ class FP8RecipeKwargs(KwargsHandler):
             "block", "mxfp8", "nvfp4"; ao: "tensorwise", "rowwise", "rowwise_with_gw_hp".
         modules_to_ignore: fully-qualified names of modules to leave in high precision.
         module_filter_fn: `fn(module, fqn) -> bool`; False leaves that module in high precision.
+        enable_fsdp_float8_all_gather: ao: all-gather FSDP2-sharded weights in float8 (tensorwise
+            weight scaling only); default False.
+        pad_inner_dim: ao: zero-pad GEMM inner dimensions to multiples of 16; default False.
+        ao_config: ao: a whole torchao `Float8LinearConfig` to start from instead of `scaling`;
+            fields passed explicitly here (fp8_format, override_linear_precision, the two above)
+            still apply on top. Implies backend="ao".
+        optimizer_states: low-precision Adam/AdamW states through torchao (fp8plug.optim):
+            "fp8", "8bit" or "4bit"; None (default) leaves the optimizer as given. Environment:
+            FP8PLUG_OPTIMIZER_STATES. Not with backend="msamp" (its opt_level O2 does this).
     """
 
     backend: Optional[str] = None
@@ -157,6 +174,10 @@ class FP8RecipeKwargs(KwargsHandler):
     scaling: Optional[str] = None
     modules_to_ignore: Optional[Sequence[str]] = None
     module_filter_fn: Optional[Callable] = field(default=None, repr=False, compare=False)
+    enable_fsdp_float8_all_gather: Optional[bool] = None
+    pad_inner_dim: Optional[bool] = None
+    ao_config: Optional[object] = None
+    optimizer_states: Optional[str] = None
 
     def __post_init__(self):
         self._resolve(os.environ)
@@ -203,6 +224,22 @@ class FP8RecipeKwargs(KwargsHandler):
             self.modules_to_ignore = tuple(self.modules_to_ignore)
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError("FP8RecipeKwargs.module_filter_fn: must be callable as fn(module, fqn) -> bool.")
+        for name in ("enable_fsdp_float8_all_gather", "pad_inner_dim"):
+            setattr(self, name, parse_bool(getattr(self, name), f"FP8RecipeKwargs.{name}"))
+        if self.ao_config is not None:
+            if self.backend not in (None, "ao") and self.is_explicit("backend"):
+                raise ValueError(
+                    f"FP8RecipeKwargs.ao_config: a torchao Float8LinearConfig runs only on backend='ao', "
+                    f"not {self.backend!r}; drop ao_config or set backend='ao'."
+                )
+            self.backend = "ao"
+        self.optimizer_states = _optimizer_states(self.optimizer_states)
+        if self.optimizer_states is not None and self.backend == "msamp":
+            raise ValueError(
+                "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own low-precision optimizer states "
+                "(opt_level='O2': FP8 first moment, FP16 second); leave optimizer_states None with "
+                "backend='msamp'."
+            )
 
     def is_explicit(self, name: str) -> bool:
         """Whether the user passed this field (rather than it coming from the environment or defaults)."""
@@ -218,6 +255,25 @@ def _choice(name, value, allowed, canon):
     text = canon(str(value).strip())
     if text not in allowed:
         raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not allowed; use one of {', '.join(allowed)}.")
+    return text
+
+
+_OPTIMIZER_STATE_ALIASES = {"float8": "fp8", "8-bit": "8bit", "4-bit": "4bit"}
+
+
+def _optimizer_states(value) -> Optional[str]:
+    """Canonical optimizer_states ("fp8", "8bit", "4bit") or None for "none"/"off"/""."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text in ("", "none", "off", "false", "0"):
+        return None
+    text = _OPTIMIZER_STATE_ALIASES.get(text, text)
+    if text not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"FP8RecipeKwargs.optimizer_states: {value!r} is not allowed; use one of "
+            f"{', '.join(OPTIMIZER_STATES)}, or None to keep the optimizer as given."
+        )
     return text
 
 

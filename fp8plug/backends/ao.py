@@ -1,11 +1,209 @@
-"""The `ao` engine: torchao float8 training (convert_to_float8_training). Stub: probe only."""
+"""The `ao` engine: torchao float8 training under fp8plug's shared conversion rules.
+
+fp8plug decides which modules convert (convert.plan_conversion: exact nn.Linear, aligned shapes,
+modules_to_ignore, module_filter_fn) and hands exactly those names to torchao's
+`convert_to_float8_training`, which builds its Float8Linear modules (dynamic scaling: tensorwise,
+rowwise, rowwise_with_gw_hp, or any torchao Float8LinearConfig). FP8RecipeKwargs is mapped where
+torchao has the concept: fp8_format picks the grad_output dtype, override_linear_precision turns
+one GEMM's operand casts off (ScalingType.DISABLED); delayed-scaling fields only warn, since
+torchao removed delayed scaling in 0.10.
+
+Each converted module is then given fp8plug's class `AOFloat8Linear`, a Float8Linear whose only
+change is the forward's choice between torchao's FP8 path and a plain high-precision F.linear:
+FP8 inside an enabled FP8 region, high precision inside a disabled one, and outside any region
+FP8 in training mode only (eval in high precision, as for every engine). That choice reads a flag
+and `self.training`, so torch.compile guards on it and recompiles, never graph-breaks. Token
+counts an FP8 GEMM cannot take (not a multiple of 16, unless pad_inner_dim) also run in high
+precision, as in the native engine.
+
+MXFP8 training (torchao's prototype MXFP8TrainingOpConfig, sm_100 or emulated) is offered through
+`convert_mx` for fp8plug.float8.Float8Config(ao_mx=...). torchao is imported only when used, so
+this module imports (and probes) where torchao is absent.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import sys
+import warnings
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..convert import ConversionError, ConversionReport, linear_alignment_problem, plan_conversion, replace_module
+from ..recipe import DEFAULTS
 from .base import Backend, Probe, probe_import
+from .native import fp8_region_enabled, native_fp8_autocast
+
+ALIGN = 16
+MX_BLOCK = 32
+# FP8RecipeKwargs fields that only delayed scaling reads.
+DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo")
+
+
+# --- the module -----------------------------------------------------------------------------------
+
+
+def _fp8_now(module: nn.Module, x: torch.Tensor, align: int, padded: bool) -> bool:
+    """Whether `module` runs its FP8 path for input `x` (see the module doc)."""
+    region = fp8_region_enabled()
+    if not (module.training if region is None else region):
+        return False
+    if padded:
+        return True
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return rows > 0 and rows % align == 0
+
+
+def _high_precision_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as a high-precision tensor: FSDP2's float8 all-gather hands Float8Linear an
+    already-cast Float8TrainingTensor, which a plain F.linear cannot take."""
+    if "torchao.float8.float8_training_tensor" in sys.modules:
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        if isinstance(weight, Float8TrainingTensor):
+            return weight.to_original_precision()
+    return weight
+
+
+@functools.lru_cache(maxsize=None)
+def _float8_linear_class():
+    """fp8plug's Float8Linear subclass, built on first use so torchao is imported only then."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class AOFloat8Linear(Float8Linear):
+        """torchao's Float8Linear with fp8plug's choice of when to run FP8 (see fp8plug.backends.ao).
+
+        Its state (parameters, config, state-dict keys) is exactly torchao's; only `forward` differs.
+        """
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if _fp8_now(self, input, ALIGN, self.config.pad_inner_dim or self.config.emulate):
+                return super().forward(input)
+            return F.linear(input, _high_precision_weight(self.weight), self.bias)
+
+    AOFloat8Linear.__module__ = __name__
+    AOFloat8Linear.__qualname__ = "AOFloat8Linear"
+    return AOFloat8Linear
+
+
+class AOMXLinear(nn.Linear):
+    """An nn.Linear whose parameters torchao wrapped for MXFP8 training (its
+    MXFP8TrainingWeightWrapperTensor routes F.linear to MXFP8 GEMMs). fp8plug adds the eval
+    policy, the high-precision fallback for token counts not a multiple of 32, and the bias:
+    torchao 0.18's MXFP8 linear override drops it, so it is added here."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _fp8_now(self, input, MX_BLOCK, False):
+            out = F.linear(input, self.weight)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            return F.linear(input, self.weight, self.bias)
+
+
+def __getattr__(name):
+    # `fp8plug.backends.ao.AOFloat8Linear` resolves (e.g. for unpickling) once torchao imports.
+    if name == "AOFloat8Linear":
+        return _float8_linear_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- when the hardware needs emulation -------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_scaled_mm_works() -> bool:
+    """Whether torch's CPU `_scaled_mm` takes the operand pairs float8 training uses."""
+    try:
+        one = torch.ones(())
+        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+        g = torch.zeros(16, 16, dtype=torch.float8_e5m2)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        torch._scaled_mm(g, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: emulate
+        return False
+
+
+def needs_emulation() -> bool:
+    """True on a machine with no CUDA GPU whose torch has no usable CPU `_scaled_mm`: there
+    torchao must emulate its FP8 GEMMs (dequantise, then a high-precision matmul)."""
+    return not torch.cuda.is_available() and not cpu_scaled_mm_works()
+
+
+# --- the recipe -> torchao config mapping ----------------------------------------------------------
+
+
+def _gemm_operands():
+    """For each GEMM, the two Float8LinearConfig cast-config fields feeding it (torchao's layout:
+    output = input @ weight.T, grad_input = grad_output @ weight, grad_weight = grad_output.T @ input)."""
+    return {
+        "fprop": ("cast_config_input", "cast_config_weight"),
+        "dgrad": ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
+        "wgrad": ("cast_config_grad_output_for_grad_weight", "cast_config_input_for_grad_weight"),
+    }
+
+
+def build_float8_config(
+    base,
+    *,
+    fp8_format: Optional[str] = None,
+    override_linear_precision: Tuple[bool, bool, bool] = (False, False, False),
+    enable_fsdp_float8_all_gather: Optional[bool] = None,
+    pad_inner_dim: Optional[bool] = None,
+    emulate: Optional[bool] = None,
+):
+    """A torchao Float8LinearConfig: `base` with the given changes (None keeps base's value).
+
+    fp8_format: "HYBRID" casts grad_output to E5M2 and input and weight to E4M3, "E4M3" casts all
+    three to E4M3. override_linear_precision (fprop, dgrad, wgrad): True runs that GEMM on its
+    unscaled high-precision operands (both its cast configs set to ScalingType.DISABLED).
+    """
+    from torchao.float8.config import CastConfig, ScalingType, e4m3_dtype, e5m2_dtype
+
+    casts = {name: getattr(base, name) for names in _gemm_operands().values() for name in names}
+    if fp8_format is not None:
+        grad_dtype = e5m2_dtype if fp8_format == "HYBRID" else e4m3_dtype
+        for name, cast in casts.items():
+            dtype = grad_dtype if "grad_output" in name else e4m3_dtype
+            casts[name] = dataclasses.replace(cast, target_dtype=dtype)
+    for flag, names in zip(override_linear_precision, _gemm_operands().values()):
+        if flag:
+            for name in names:
+                # DISABLED takes tensorwise granularity; the dtype must stay to match the other GEMM.
+                casts[name] = CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=casts[name].target_dtype)
+    changes = dict(casts)
+    for name, value in (("enable_fsdp_float8_all_gather", enable_fsdp_float8_all_gather),
+                        ("pad_inner_dim", pad_inner_dim), ("emulate", emulate)):
+        if value is not None:
+            changes[name] = value
+    try:
+        return dataclasses.replace(base, **changes)
+    except AssertionError as exc:  # torchao checks its configs with assert
+        raise ValueError(f"torchao rejected the float8 config: {exc}") from None
+
+
+def float8_all_gather_problem(config) -> Optional[str]:
+    """Why `config` cannot all-gather weights in float8 under FSDP2, or None."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    weight = config.cast_config_weight
+    if weight.scaling_type is not ScalingType.DYNAMIC:
+        return "the forward GEMM's weight is not cast to float8 (override_linear_precision[0])"
+    if weight.scaling_granularity is not ScalingGranularity.TENSORWISE:
+        return "torchao all-gathers float8 weights with tensorwise scales only, not rowwise"
+    return None
+
+
+# --- the engine ------------------------------------------------------------------------------------
 
 
 class AOBackend(Backend):
+    """torchao float8 training (see the module doc)."""
+
     name = "ao"
     title = "torchao float8"
     install_hint = "pip install torchao"
@@ -14,3 +212,327 @@ class AOBackend(Backend):
 
     def probe(self) -> Probe:
         return probe_import("torchao.float8", lambda m: __import__("torchao").__version__)
+
+    def require(self) -> None:
+        """Raise a clear error where torchao cannot be imported."""
+        probe = self.probe()
+        if not probe.available:
+            from . import BackendUnavailableError
+
+            raise BackendUnavailableError(f"torchao float8 is {probe.reason}; install it with `{self.install_hint}`.")
+
+    def scaling_name(self, recipe) -> str:
+        if recipe.scaling in ("delayed", "dynamic", "current"):
+            hint = "; for delayed scaling use backend='native' or 'te'" if recipe.scaling == "delayed" else ""
+            raise ValueError(
+                f"FP8RecipeKwargs.scaling: {recipe.scaling!r} is not a torchao float8 recipe (torchao scales "
+                f"every tensor dynamically); use one of {', '.join(self.scalings)}{hint}."
+            )
+        return super().scaling_name(recipe)
+
+    # recipe -> config ------------------------------------------------------------------------------
+    def float8_config(self, recipe):
+        """The torchao Float8LinearConfig for an FP8RecipeKwargs.
+
+        Named recipes start from Float8LinearConfig.from_recipe_name; `recipe.ao_config` is taken
+        whole, with only the fields the user passed explicitly applied on top. fp8_format applies
+        to tensorwise always (HYBRID is its own default) and to the rowwise recipes, which are
+        E4M3 throughout by design, only when passed explicitly.
+        """
+        from torchao.float8 import Float8LinearConfig
+
+        self._warn_delayed_fields(recipe)
+        if recipe.ao_config is not None:
+            if not isinstance(recipe.ao_config, Float8LinearConfig):
+                raise ValueError(
+                    "FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig, got "
+                    f"{type(recipe.ao_config).__name__}."
+                )
+            if recipe.is_explicit("scaling"):
+                raise ValueError(
+                    "FP8RecipeKwargs: give either scaling (a torchao recipe name) or ao_config (a whole "
+                    "Float8LinearConfig), not both."
+                )
+            base, named = recipe.ao_config, None
+            chosen = recipe.is_explicit
+        else:
+            named = self.scaling_name(recipe)
+            base = Float8LinearConfig.from_recipe_name(named)
+            chosen = lambda field: True  # noqa: E731 - env and defaults count for a named recipe
+        format_applies = recipe.is_explicit("fp8_format") or named == "tensorwise"
+        fp8_format = recipe.fp8_format if format_applies else None
+        override = recipe.override_linear_precision if chosen("override_linear_precision") else (False, False, False)
+        config = build_float8_config(
+            base, fp8_format=fp8_format, override_linear_precision=override,
+            pad_inner_dim=recipe.pad_inner_dim if chosen("pad_inner_dim") else None,
+            emulate=needs_emulation() if named else None,
+        )
+        if chosen("enable_fsdp_float8_all_gather") and recipe.enable_fsdp_float8_all_gather:
+            problem = float8_all_gather_problem(config)
+            if problem is None:
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+            elif recipe.is_explicit("enable_fsdp_float8_all_gather"):
+                raise ValueError(f"FP8RecipeKwargs.enable_fsdp_float8_all_gather: cannot be used here: {problem}.")
+            else:  # `accelerate launch` exports true by default: not necessarily the user's choice
+                warnings.warn(
+                    f"ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER is true but {problem}; FSDP2 will "
+                    "all-gather these weights in high precision.", UserWarning, stacklevel=3,
+                )
+        return config
+
+    def _warn_delayed_fields(self, recipe) -> None:
+        chosen = [
+            f"{name}={getattr(recipe, name)!r}" for name in DELAYED_FIELDS
+            if recipe.is_explicit(name) and getattr(recipe, name) != DEFAULTS[name]
+        ]
+        if chosen:
+            warnings.warn(
+                f"FP8RecipeKwargs {', '.join(chosen)} has no effect with backend='ao': torchao removed "
+                "delayed scaling in 0.10 and scales every tensor dynamically. Use backend='native' "
+                "(or 'te') for delayed scaling.", UserWarning, stacklevel=3,
+            )
+
+    # conversion ------------------------------------------------------------------------------------
+    def convert(self, model: nn.Module, recipe) -> ConversionReport:
+        self.require()
+        config = self.float8_config(recipe)
+        return self.convert_with_config(model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
+
+    def convert_with_config(
+        self,
+        model: nn.Module,
+        config,
+        modules_to_ignore: Optional[Sequence[str]] = None,
+        module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+    ) -> ConversionReport:
+        """Convert `model` in place with a torchao Float8LinearConfig, under the shared rules."""
+        self.require()
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        targets, report = plan_conversion(
+            model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
+            modules_to_ignore, module_filter_fn,
+        )
+        planned = [fqn for fqn, _ in targets]
+        if "" in planned:
+            raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
+        if not planned:
+            return report
+        wanted = frozenset(planned)
+        convert_to_float8_training(model, module_filter_fn=lambda _module, fqn: fqn in wanted, config=config)
+        cls = _float8_linear_class()
+        for fqn in planned:
+            module = model.get_submodule(fqn)
+            if type(module) is not Float8Linear:  # pragma: no cover - torchao skipped a planned module
+                raise ConversionError(f"torchao did not convert {fqn!r} ({type(module).__name__}).")
+            module.__class__ = cls  # same state, fp8plug's forward (see AOFloat8Linear)
+            report.converted.append(fqn)
+        return report
+
+    def unconvert(self, model: nn.Module) -> nn.Module:
+        """Put plain nn.Linear modules back, holding the very Parameters the FP8 modules trained
+        (torchao's float8 all-gather wrapper is unwrapped to the Parameter it wraps)."""
+        for fqn, module in list(model.named_modules()):
+            if _is_float8_linear(module):
+                replace_module(model, fqn, _plain_linear(module, fqn))
+            elif _is_mx_linear(module):
+                for name, param in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, _plain_parameter(param, f"{fqn}.{name}"))
+                module.__class__ = nn.Linear
+        return model
+
+    def is_converted(self, module: nn.Module) -> bool:
+        return _is_float8_linear(module) or _is_mx_linear(module)
+
+    # running ---------------------------------------------------------------------------------------
+    def autocast(self, recipe, enabled: bool = True):
+        """FP8 (enabled) or high precision (disabled) for every fp8plug torchao module inside the
+        block; the same region flag as the native engine, so it also governs native layers."""
+        return native_fp8_autocast(enabled)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """Under FSDP2 with float8 all-gather, compute every float8 weight's scale for the next
+        all-gather in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+        if any(_gathers_in_float8(m) for m in model.modules()):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    if "torchao.float8.float8_linear" not in sys.modules:
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def _is_mx_linear(module: nn.Module) -> bool:
+    if isinstance(module, AOMXLinear):
+        return True
+    if "torchao.prototype.moe_training.tensor" not in sys.modules or not isinstance(module, nn.Linear):
+        return False
+    from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
+
+    return isinstance(module.weight, TrainingWeightWrapperBaseTensor)
+
+
+def _gathers_in_float8(module: nn.Module) -> bool:
+    if not _is_float8_linear(module) or not module.config.enable_fsdp_float8_all_gather:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(module.weight, DTensor)
+
+
+def _plain_parameter(param: torch.Tensor, where: str) -> nn.Parameter:
+    """The plain Parameter inside torchao's weight wrappers (the original one where it is kept)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        raise ConversionError(
+            f"cannot unconvert {where}: its weight is sharded (DTensor); gather a full state dict and "
+            "load it into an unconverted model instead."
+        )
+    inner = getattr(param, "_tensor", None)  # torchao float8 all-gather wrapper
+    if inner is None:
+        inner = getattr(param, "_data", None)  # torchao MXFP8 training wrapper
+    if inner is None:
+        return param
+    if isinstance(inner, nn.Parameter):
+        return inner
+    return nn.Parameter(inner, requires_grad=param.requires_grad)
+
+
+def _plain_linear(module: nn.Module, fqn: str) -> nn.Linear:
+    plain = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(plain)
+    plain.in_features, plain.out_features = module.in_features, module.out_features
+    plain.weight = _plain_parameter(module.weight, f"{fqn}.weight")
+    plain.bias = module.bias
+    plain.train(module.training)
+    return plain
+
+
+# --- MXFP8 ----------------------------------------------------------------------------------------
+
+
+def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
+    """Why an nn.Linear cannot take MXFP8 GEMMs (blocks of 32 along K and N), or None."""
+    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % MX_BLOCK]
+    return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
+
+
+def _dtype(value, field: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(getattr(value, "value", value)).replace("torch.", "")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"AOMXLinearConfig.{field}: {value!r} is not a torch dtype name such as 'float8_e4m3fn'.")
+    return dtype
+
+
+def _enum_value(value) -> Optional[str]:
+    return None if value is None else str(getattr(value, "value", value)).lower()
+
+
+def mx_support_problem(emulated: bool) -> Optional[str]:
+    """Why MXFP8 training cannot run here, or None."""
+    from torch.distributed.tensor import _dispatch, _ops
+
+    if not (hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")):
+        return f"torchao's MXFP8 training needs a newer torch (a nightly in torchao 0.18's time) than {torch.__version__}"
+    if emulated:
+        return None
+    if not torch.cuda.is_available():
+        return "MXFP8 GEMMs need a CUDA GPU with compute capability 10.0 (Blackwell); none is visible"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (10, 0):
+        return f"MXFP8 GEMMs need compute capability 10.0 (Blackwell), this GPU has {major}.{minor}"
+    return None
+
+
+def mx_training_config(
+    block_size=None,
+    elem_dtype=None,
+    elem_dtype_weight_override=None,
+    elem_dtype_grad_output_override=None,
+    kernel_preference=None,
+    mxfp8_cast_kernel_choice=None,
+    scale_calculation_mode=None,
+):
+    """torchao's MXFP8TrainingOpConfig for OLMo-core's MXLinearConfig fields, refusing what
+    torchao 0.18 cannot train: blocks other than 32, elements other than E4M3 (MXFP4 training is
+    not offered for linears), and hardware or torch versions that cannot run it.
+
+    kernel_preference None picks "auto" (real MXFP8 GEMMs) where a CUDA GPU is visible and
+    "emulated" (dequantise, then a high-precision matmul; slow, for development) where none is.
+    """
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if block_size not in (None, MX_BLOCK):
+        raise ValueError(f"AOMXLinearConfig.block_size: torchao's MXFP8 training uses blocks of 32, not {block_size!r}.")
+    for field, value in (("elem_dtype", elem_dtype), ("elem_dtype_weight_override", elem_dtype_weight_override),
+                         ("elem_dtype_grad_output_override", elem_dtype_grad_output_override)):
+        dtype = _dtype(value, field)
+        if dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(
+                f"AOMXLinearConfig.{field}: torchao {__import__('torchao').__version__} trains linears in MXFP8 "
+                f"(float8_e4m3fn elements) only, not {dtype}; MXFP4 training is not offered. Use float8_e4m3fn or None."
+            )
+    kernel = _enum_value(kernel_preference)
+    if kernel is None:
+        kernel = "auto" if torch.cuda.is_available() else "emulated"
+    if kernel not in ("auto", "emulated"):
+        raise ValueError(f"AOMXLinearConfig.kernel_preference: use 'auto' or 'emulated' for MXFP8 training, not {kernel_preference!r}.")
+    choice = _enum_value(mxfp8_cast_kernel_choice)
+    if choice not in (None, "cuda"):
+        warnings.warn(
+            f"AOMXLinearConfig.mxfp8_cast_kernel_choice={choice!r} is ignored: torchao's MXFP8 training "
+            "chooses its cast kernels itself.", UserWarning, stacklevel=3,
+        )
+    mode = _enum_value(scale_calculation_mode) or "rceil"
+    try:
+        mode = ScaleCalculationMode(mode)
+    except ValueError:
+        allowed = ", ".join(m.value for m in ScaleCalculationMode)
+        raise ValueError(f"AOMXLinearConfig.scale_calculation_mode: {scale_calculation_mode!r}; use one of {allowed}.") from None
+    problem = mx_support_problem(emulated=kernel == "emulated")
+    if problem:
+        raise RuntimeError(
+            f"MXFP8 training cannot run here: {problem}. Use float8 (ao or ao_recipe) instead, or "
+            "kernel_preference='emulated' to develop on other hardware (slow)."
+        )
+    return MXFP8TrainingOpConfig(kernel_preference=KernelPreference(kernel), scale_calculation_mode=mode)
+
+
+def convert_mx(
+    model: nn.Module,
+    config,
+    modules_to_ignore: Optional[Sequence[str]] = None,
+    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+) -> ConversionReport:
+    """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
+    (in place), under the shared conversion rules with MXFP8's block alignment."""
+    from torchao.quantization import quantize_
+
+    backend = AOBackend()
+    backend.require()
+    targets, report = plan_conversion(
+        model, backend.name, {nn.Linear: mx_alignment_problem}, backend.is_converted, modules_to_ignore, module_filter_fn,
+    )
+    planned = [fqn for fqn, _ in targets]
+    if "" in planned:
+        raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
+    if not planned:
+        return report
+    wanted = frozenset(planned)
+    quantize_(model, config, filter_fn=lambda _module, fqn: fqn in wanted)
+    for fqn in planned:
+        model.get_submodule(fqn).__class__ = AOMXLinear
+        report.converted.append(fqn)
+    return report

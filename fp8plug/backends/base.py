@@ -118,14 +118,6 @@ class Backend:
         """The state dict with the engine's own entries removed: the plain architecture's keys."""
         return state_dict
 
-    def fp8_state(self, model: nn.Module) -> Dict[str, Dict[str, torch.Tensor]]:
-        """The engine's scaling state (amax histories, scales), by module name, kept out of the
-        plain state dict; save_state stores it so a resumed run continues exactly. Default: none."""
-        return {}
-
-    def load_fp8_state(self, model: nn.Module, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        """Put back what `fp8_state` returned (into a model converted the same way)."""
-
     def microbatch(self, is_first: Optional[bool]):
         """Context for one micro-batch of gradient accumulation: `is_first` says whether it is the
         first since the last optimizer step (engines that cache FP8 weights use it). Default: no-op."""

@@ -189,9 +189,15 @@ class NativeFP8Linear(nn.Linear):
 
     def _setup_fp8(self, scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
                    override_linear_precision):
-        if scaling not in ("delayed", "dynamic"):
-            raise ValueError(f"NativeFP8Linear: scaling {scaling!r} is not 'delayed' or 'dynamic'.")
-        self.scaling = scaling
+        # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes.
+        modes = (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
+        if len(modes) != 3 or any(mode not in ("delayed", "dynamic") for mode in modes):
+            raise ValueError(
+                f"NativeFP8Linear: scaling {scaling!r} is not 'delayed' or 'dynamic', nor a tuple of "
+                "three of them (input, weight, grad_output)."
+            )
+        self.scaling = scaling if isinstance(scaling, str) else modes
+        self.scaling_modes = modes
         self.fp8_format = fp8_format
         self.fwd_dtype = E4M3
         self.bwd_dtype = E5M2 if fp8_format == "HYBRID" else E4M3
@@ -200,7 +206,7 @@ class NativeFP8Linear(nn.Linear):
         self.amax_compute_algo = amax_compute_algo
         self.override_linear_precision = tuple(override_linear_precision)
         device = self.weight.device
-        length = int(amax_history_len) if scaling == "delayed" else 1
+        length = int(amax_history_len) if "delayed" in modes else 1
         # Non-persistent: the model's state dict stays the plain Linear's. fp8plug's checkpoint
         # helpers carry these separately (save_state) so a resumed run continues identically.
         self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
@@ -245,21 +251,26 @@ class NativeFP8Linear(nn.Linear):
         out_dtype = self._out_dtype(x)
         x_amax = amax_of(x2)
         w_amax = amax_of(self.weight)
-        if self.scaling == "delayed":
-            with torch.no_grad():
-                x_scale = self._delayed(INPUT, x_amax, self.fwd_dtype)
-                w_scale = self._delayed(WEIGHT, w_amax, self.fwd_dtype)
+        x_scale = self._scale(INPUT, x_amax, self.fwd_dtype)
+        w_scale = self._scale(WEIGHT, w_amax, self.fwd_dtype)
+        grad_delayed = self.scaling_modes[GRAD_OUTPUT] == "delayed"
+        if grad_delayed:
             state = (self.fp8_amax_history[:, GRAD_OUTPUT], self.fp8_scale[GRAD_OUTPUT], self.fp8_step[GRAD_OUTPUT])
         else:
-            x_scale = scale_from_amax(x_amax, FP8_MAX[self.fwd_dtype])
-            w_scale = scale_from_amax(w_amax, FP8_MAX[self.fwd_dtype])
             state = ()
         config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision,
-                  self.scaling == "delayed", self.margin, self.interval, self.amax_compute_algo)
+                  grad_delayed, self.margin, self.interval, self.amax_compute_algo)
         out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, state, config)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The scale for tensor `slot` (INPUT or WEIGHT) now, by that tensor's scaling mode."""
+        if self.scaling_modes[slot] == "delayed":
+            with torch.no_grad():
+                return self._delayed(slot, amax, dtype)
+        return scale_from_amax(amax, FP8_MAX[dtype])
 
     def _delayed(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return delayed_scale_update(
@@ -318,35 +329,6 @@ class NativeBackend(Backend):
 
     def autocast(self, recipe, enabled: bool = True):
         return native_fp8_autocast(enabled)
-
-    _FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step")
-
-    def fp8_state(self, model: nn.Module) -> dict:
-        """Each NativeFP8Linear's (non-persistent) scaling buffers, by module name, on the CPU."""
-        return {
-            fqn: {name: getattr(module, name).detach().cpu().clone() for name in self._FP8_BUFFERS}
-            for fqn, module in model.named_modules()
-            if isinstance(module, NativeFP8Linear)
-        }
-
-    def load_fp8_state(self, model: nn.Module, state: dict) -> None:
-        """Copy saved scaling buffers back into the model's NativeFP8Linear modules."""
-        for fqn, buffers in state.items():
-            module = model.get_submodule(fqn) if fqn else model
-            if not isinstance(module, NativeFP8Linear):
-                raise ValueError(
-                    f"load_fp8_state: {fqn!r} is a {type(module).__name__}, not a NativeFP8Linear; "
-                    "load the FP8 state into a model converted the same way (backend='native')."
-                )
-            for name in self._FP8_BUFFERS:
-                target = getattr(module, name)
-                if target.shape != buffers[name].shape:
-                    raise ValueError(
-                        f"load_fp8_state: {fqn}.{name} has shape {tuple(target.shape)} but the saved "
-                        f"state has {tuple(buffers[name].shape)}; use the same amax_history_len and scaling."
-                    )
-                with torch.no_grad():
-                    target.copy_(buffers[name])
 
     _STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step")
 

@@ -1,0 +1,396 @@
+"""fp8plug.Accelerator on the CPU with the native engine: handlers, precision, prepare, checkpoints."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, MSAMPRecipeKwargs
+from accelerate.utils.dataclasses import FP8BackendType
+from safetensors.torch import load_file
+from torch import nn
+
+import fp8plug
+from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
+from fp8plug.accelerator import _rebind_optimizers
+from fp8plug.backends.native import NativeBackend, NativeFP8Linear
+from fp8plug.checkpoint import install_plain_state_dict
+from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+
+CFG = DecoderConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def clean_accelerate(monkeypatch):
+    """Each test starts with no accelerate singletons and no launch environment."""
+    for name in list(os.environ):
+        if name.startswith("ACCELERATE_"):
+            monkeypatch.delenv(name)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def fresh():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def make(recipe=None, **kwargs):
+    recipe = recipe or FP8RecipeKwargs(backend="native", amax_history_len=4)
+    return fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
+
+
+def model_and_optimizer(seed=0, lr=1e-2):
+    torch.manual_seed(seed)
+    model = TinyDecoder(CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def batches(n, seed=1):
+    return synthetic_batches(n, batch=2, seq=16, vocab=CFG.vocab_size, seed=seed)
+
+
+def train(accelerator, model, optimizer, tokens_list):
+    losses = []
+    for tokens in tokens_list:
+        with accelerator.accumulate(model):
+            loss = lm_loss(model(tokens), tokens)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# --- construction ----------------------------------------------------------------------------------
+
+
+def test_kwargs_handler_beside_accelerates_own():
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    recipe = FP8RecipeKwargs(backend="native")
+    acc = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[ddp, recipe])
+    assert acc.mixed_precision == "fp8"
+    assert acc.state.mixed_precision == "bf16"  # what accelerate runs outside the FP8 Linears
+    assert acc.fp8_engine.name == "native" and acc.fp8_recipe is recipe
+    assert acc.fp8_backend == FP8BackendType.NO  # accelerate's own FP8 code stays off
+    assert acc.ddp_handler is ddp
+
+
+def test_fp8_from_launch_environment(monkeypatch):
+    # what `accelerate launch` exports for a config with `backend: NATIVE` and the wizard's keys
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "NATIVE")
+    monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "1024")  # launch's default, always exported
+    monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LENGTH", "16")
+    acc = fp8plug.Accelerator(cpu=True)
+    assert acc.mixed_precision == "fp8" and acc.fp8_engine.name == "native"
+    assert acc.fp8_recipe.amax_history_len == 16
+
+
+def test_no_fp8_means_plain_accelerate():
+    acc = fp8plug.Accelerator(cpu=True, mixed_precision="bf16")
+    assert acc.mixed_precision == "bf16" and acc.fp8_engine is None
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    assert not any(isinstance(m, NativeFP8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "no"])
+def test_recipe_without_fp8_precision_is_an_error(precision):
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        fp8plug.Accelerator(cpu=True, mixed_precision=precision, kwargs_handlers=[FP8RecipeKwargs(backend="native")])
+
+
+def test_accelerates_own_fp8_handler_is_refused():
+    with pytest.raises(ValueError, match="use fp8plug.FP8RecipeKwargs"):
+        fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs()])
+
+
+@pytest.mark.parametrize("backend, hint", [("te", "transformer_engine"), ("msamp", "MS-AMP")])
+def test_engine_that_cannot_run_is_an_error_not_a_fallback(backend, hint):
+    with pytest.raises(BackendUnavailableError) as info:
+        make(FP8RecipeKwargs(backend=backend))
+    message = str(info.value)
+    assert "cannot run here" in message and "Install it with" in message and hint in message
+
+
+def test_launch_asking_for_an_engine_that_cannot_run_is_an_error(monkeypatch):
+    # `accelerate launch --mixed_precision fp8 --fp8_backend te` on a machine without TransformerEngine
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
+    with pytest.raises(BackendUnavailableError, match="cannot run here"):
+        fp8plug.Accelerator(cpu=True)
+
+
+def test_bad_scaling_fails_at_construction():
+    with pytest.raises(ValueError, match="scaling"):
+        make(FP8RecipeKwargs(backend="native", scaling="rowwise"))
+
+
+# --- prepare ---------------------------------------------------------------------------------------
+
+
+def test_prepare_converts_once_and_runs_fp8_under_bf16_autocast():
+    acc = make(FP8RecipeKwargs(backend="native", modules_to_ignore=["lm_head"]))
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    assert len(acc.fp8_reports) == 1 and len(acc.fp8_reports[0].converted) == 7
+    assert acc.fp8_reports[0].skipped["lm_head"] == "listed in modules_to_ignore"
+    assert {id(p) for p in model.parameters()} == {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+    seen = {}
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
+    tokens = batches(1)[0]
+    q = model.layers[0].q
+    out = model(tokens)
+    assert seen["head"] == torch.bfloat16  # the rest runs under bf16 autocast
+    assert out.dtype == torch.float32  # accelerate's fp32 output wrapper
+    assert q.fp8_step.tolist() == [1, 1, 0]  # FP8 ran: input and weight scales updated
+
+    model.eval()
+    model(tokens)
+    assert q.fp8_step.tolist() == [1, 1, 0]  # eval runs in high precision
+    model.train()
+
+    again = acc.prepare(model)
+    assert again is model and len(acc.fp8_reports) == 1  # not converted twice
+
+
+def test_several_models_and_optimizers_in_one_call():
+    acc = make()
+    first, opt1 = model_and_optimizer(0)
+    second, opt2 = model_and_optimizer(1)
+    first, second, opt1, opt2 = acc.prepare(first, second, opt1, opt2)
+    assert len(acc.fp8_reports) == 2
+    for model, opt in ((first, opt1), (second, opt2)):
+        assert isinstance(model.layers[0].up, NativeFP8Linear)
+        assert {id(p) for p in model.parameters()} == {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+class CloningNative(NativeBackend):
+    """Native, but conversion makes new Parameter objects (as TransformerEngine does): tests that
+    prepare() moves the optimizer to them. Not a claim about any real engine."""
+
+    def convert(self, model, recipe):
+        report = super().convert(model, recipe)
+        for module in model.modules():
+            if isinstance(module, NativeFP8Linear):
+                module.weight = nn.Parameter(module.weight.detach().clone())
+        return report
+
+
+def test_prepare_rebinds_optimizer_to_new_parameters():
+    acc = make()
+    acc.fp8_engine = CloningNative()
+    model, optimizer = model_and_optimizer()
+    old_q = model.layers[0].q.weight
+    model, optimizer = acc.prepare(model, optimizer)
+    new_q = model.layers[0].q.weight
+    assert new_q is not old_q
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert id(new_q) in held and id(old_q) not in held
+    before = new_q.detach().clone()
+    train(acc, model, optimizer, batches(1))
+    assert not torch.equal(before, new_q.detach())  # the model's own weights trained: nothing stale
+
+
+def test_rebind_moves_optimizer_state_and_refuses_removed_parameters():
+    old, kept, new = (nn.Parameter(torch.ones(2)) for _ in range(3))
+    optimizer = torch.optim.AdamW([old, kept])
+    optimizer.state[old] = {"exp_avg": torch.full((2,), 3.0)}
+    _rebind_optimizers([optimizer], {"a": old, "b": kept}, {"a": new, "b": kept}, "Net")
+    assert optimizer.param_groups[0]["params"][0] is new
+    assert optimizer.state[new]["exp_avg"][0] == 3.0 and old not in optimizer.state
+    with pytest.raises(ConversionError, match=r"\['b'\]"):
+        _rebind_optimizers([optimizer], {"b": kept}, {}, "Net")
+
+
+def test_compiled_model_is_refused_before_conversion():
+    acc = make()
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConversionError, match="already compiled"):
+        acc.prepare(torch.compile(model), optimizer)
+    assert not any(isinstance(m, NativeFP8Linear) for m in model.modules())
+
+
+class CountingNative(NativeBackend):
+    """Native plus a record of the after-step and micro-batch calls prepare() and accumulate() make
+    (tests fp8plug's own wiring, not an engine)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.firsts = []
+
+    def after_optimizer_step(self, model):
+        self.steps += 1
+
+    def microbatch(self, is_first):
+        self.firsts.append(is_first)
+        return contextlib.nullcontext()
+
+
+def test_accumulate_hooks_after_step_and_first_microbatch():
+    acc = make(gradient_accumulation_steps=3)
+    engine = acc.fp8_engine = CountingNative()
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    train(acc, model, optimizer, batches(6))
+    assert engine.firsts == [True, False, False, True, False, False]
+    assert engine.steps == 2  # once per real optimizer step, not per micro-batch
+
+
+def test_after_step_hook_for_an_optimizer_prepared_after_its_model():
+    acc = make()
+    engine = acc.fp8_engine = CountingNative()
+    model, optimizer = model_and_optimizer()
+    model = acc.prepare(model)
+    optimizer = acc.prepare(optimizer)
+    train(acc, model, optimizer, batches(2))
+    assert engine.steps == 2
+
+
+def test_unwrap_without_fp32_wrapper_still_runs():
+    acc = make()
+    model, _ = model_and_optimizer()
+    model = acc.prepare(model)
+    inner = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    tokens = batches(1)[0]
+    assert inner(tokens).shape == (2, 16, CFG.vocab_size)
+    assert inner.layers[0].q.fp8_step[0] == 1  # still the FP8 model
+
+
+@pytest.mark.slow
+def test_torch_compile_after_conversion():
+    acc = make(dynamo_backend="eager")
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    train(acc, model, optimizer, batches(2))
+    assert acc.unwrap_model(model).layers[0].q.fp8_step.tolist() == [2, 2, 2]
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+
+
+def test_state_dicts_have_plain_keys_and_load_strictly_both_ways(tmp_path):
+    acc = make()
+    model, optimizer = model_and_optimizer()
+    plain_keys = set(TinyDecoder(CFG).state_dict())
+    model, optimizer = acc.prepare(model, optimizer)
+    train(acc, model, optimizer, batches(1))
+
+    got = acc.get_state_dict(model)
+    assert set(got) == plain_keys
+    assert set(acc.unwrap_model(model).state_dict()) == plain_keys
+    acc.save_model(model, tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert set(saved) == plain_keys
+
+    plain = TinyDecoder(CFG)
+    plain.load_state_dict(saved, strict=True)
+    assert torch.equal(plain.layers[0].q.weight, model.layers[0].q.weight.detach())
+
+    torch.manual_seed(5)
+    source = TinyDecoder(CFG)
+    acc.unwrap_model(model).load_state_dict(source.state_dict(), strict=True)
+    assert torch.equal(model.layers[0].q.weight.detach(), source.layers[0].q.weight)
+
+
+class ExtraStateLinear(nn.Linear):
+    """A Linear with an engine-style `_extra_state` entry (as TransformerEngine modules have)."""
+
+    def get_extra_state(self):
+        return torch.tensor([7.0])
+
+    def set_extra_state(self, state):
+        self.loaded_extra = state
+
+
+class DropsExtraState:
+    """The one engine method install_plain_state_dict relies on (tests fp8plug's hooks only)."""
+
+    def plain_state_dict(self, state_dict):
+        return {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
+
+
+def test_plain_state_dict_hooks_hide_engine_entries():
+    model = nn.Sequential(ExtraStateLinear(16, 16), nn.LayerNorm(16))
+    assert "0._extra_state" in model.state_dict()
+    install_plain_state_dict(model, DropsExtraState())
+    plain = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+    assert set(model.state_dict()) == set(plain.state_dict())
+    model.load_state_dict(plain.state_dict(), strict=True)  # no _extra_state in a plain checkpoint
+    assert torch.equal(model[0].weight, plain[0].weight)
+    wrapper = nn.ModuleDict({"inner": model})  # the hooks apply under a prefix too
+    assert set(wrapper.state_dict()) == {f"inner.{k}" for k in plain.state_dict()}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({"0.weight": plain[0].weight}, strict=True)  # real keys still checked
+
+
+def test_save_state_load_state_resumes_identically(tmp_path):
+    data = batches(6)
+    acc = make()
+    model, optimizer = model_and_optimizer(seed=0)
+    model, optimizer = acc.prepare(model, optimizer)
+    train(acc, model, optimizer, data[:3])
+    acc.save_state(tmp_path / "ckpt")
+    saved_history = model.layers[0].q.fp8_amax_history.clone()
+    reference = train(acc, model, optimizer, data[3:])
+    reference_weights = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+    def resumed(break_fp8_state=False):
+        fresh()
+        acc2 = make()
+        model2, optimizer2 = model_and_optimizer(seed=123)  # other weights: the load must replace them
+        model2, optimizer2 = acc2.prepare(model2, optimizer2)
+        acc2.load_state(tmp_path / "ckpt")
+        assert torch.equal(model2.layers[0].q.fp8_amax_history, saved_history)
+        if break_fp8_state:
+            for m in model2.modules():
+                if isinstance(m, NativeFP8Linear):
+                    m.fp8_amax_history.zero_()
+                    m.fp8_scale.fill_(1.0)
+                    m.fp8_step.zero_()
+        return acc2, model2, train(acc2, model2, optimizer2, data[3:])
+
+    acc2, model2, losses = resumed()
+    assert losses == reference  # bit-identical
+    for key, value in acc2.get_state_dict(model2).items():
+        assert torch.equal(value, reference_weights[key]), key
+    # control: the FP8 scaling state matters; without it the run does not continue identically
+    _, _, losses_without = resumed(break_fp8_state=True)
+    assert losses_without != reference
+
+
+def test_load_state_with_another_backend_or_model_count_is_an_error(tmp_path):
+    acc = make()
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.save_state(tmp_path / "ckpt")
+    state = [o for o in acc._custom_objects if hasattr(o, "engine")][0]
+    saved = state.state_dict()
+    with pytest.raises(ValueError, match="backend 'te'"):
+        state.load_state_dict({**saved, "backend": "te"})
+    with pytest.raises(ValueError, match="2 converted model"):
+        state.load_state_dict({**saved, "models": saved["models"] * 2})
+
+
+def test_storage_view_for_fsdp2_parameter_mapping():
+    # torchao's float8 all-gather weight has no storage of its own; accelerate's FSDP2 mapping by
+    # data pointer needs the wrapped tensor (same storage) instead.
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    from fp8plug.accelerator import storage_view
+
+    model = nn.Sequential(nn.Linear(32, 32))
+    storage = model[0].weight.data_ptr()
+    config = torchao_float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    torchao_float8.convert_to_float8_training(model, config=config)
+    weight = model[0].weight
+    assert weight.data_ptr() == 0
+    assert storage_view(weight).data_ptr() == storage
+    plain = nn.Parameter(torch.ones(2))
+    assert storage_view(plain) is plain

@@ -1,0 +1,109 @@
+"""`accelerate launch` with fp8plug: the example configs, the CLI flags, and DDP over gloo on the CPU.
+
+Each test runs the real launcher in a subprocess on examples/train_accelerate.py and reads the
+`FP8PLUG_RESULT` line every rank prints. Launch exports what it understands as ACCELERATE_*
+variables (every FP8 one with its argparse default, a lower-case `ao`, the config wizard's key
+names); these tests check that fp8plug.Accelerator reads them as the user meant.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_accelerate.py"
+CONFIGS = ROOT / "examples" / "configs"
+
+pytestmark = pytest.mark.slow
+
+
+def launch(tmp_path, launch_args, script_args=(), timeout=240):
+    """Run `accelerate launch` and return (returncode, {rank: result}, combined output)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env["HF_HOME"] = str(tmp_path / "hf_home")  # no user default_config.yaml
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(SCRIPT), *script_args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("FP8PLUG_RESULT "):
+            result = json.loads(line[len("FP8PLUG_RESULT "):])
+            results[result["rank"]] = result
+    return proc.returncode, results, output
+
+
+def test_one_cpu_process_from_config_file(tmp_path):
+    code, results, output = launch(tmp_path, ["--config_file", str(CONFIGS / "cpu_fp8.yaml")], ["--steps", "4"])
+    assert code == 0, output[-3000:]
+    result = results[0]
+    assert result["world_size"] == 1 and result["mixed_precision"] == "fp8" and result["engine"] == "native"
+    recipe = result["recipe"]
+    # `accelerate config` key names win over the defaults launch exports under Accelerate's names
+    assert recipe["backend"] == "native" and recipe["amax_history_len"] == 16
+    assert recipe["amax_compute_algo"] == "max" and recipe["fp8_format"] == "HYBRID"
+    assert result["converted"] == 14  # 2 blocks x 7 Linears; lm_head left out by the script
+    assert len(result["losses"]) == 4 and all(math.isfinite(x) for x in result["losses"])
+    assert result["weights"]["keys"] == 22 and "embed.weight" in result["state_dict_keys"]
+    assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]
+
+
+def test_two_cpu_processes_ddp_over_gloo_end_identical(tmp_path):
+    code, results, output = launch(tmp_path, ["--config_file", str(CONFIGS / "cpu_ddp_fp8.yaml")], ["--steps", "4"])
+    assert code == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["world_size"] == 2 and result["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert result["engine"] == "native" and result["recipe"]["backend"] == "native"  # `NATIVE` in the file
+        assert result["recipe"]["amax_history_len"] == 16
+        assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]  # it trained
+    assert results[0]["weights"] == results[1]["weights"]  # identical weights on both ranks
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_cli_flags_lower_case_backend_and_recipe_fields(tmp_path):
+    flags = ["--cpu", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no",
+             "--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_amax_history_len", "16",
+             "--fp8_format", "E4M3"]
+    code, results, output = launch(tmp_path, flags, ["--check-config"])
+    assert code == 0, output[-3000:]
+    result = results[0]
+    assert result["mixed_precision"] == "fp8" and result["engine"] == "ao"
+    recipe = result["recipe"]
+    assert recipe["backend"] == "ao" and recipe["amax_history_len"] == 16 and recipe["fp8_format"] == "E4M3"
+    assert recipe["amax_compute_algo"] == "most_recent"  # launch's default, exported unasked
+
+
+def test_config_file_with_wizard_keys(tmp_path):
+    config = tmp_path / "wizard.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\n"
+        "distributed_type: 'NO'\n"
+        "mixed_precision: fp8\n"
+        "num_machines: 1\n"
+        "num_processes: 1\n"
+        "use_cpu: true\n"
+        "fp8_config:\n"
+        "  backend: Native\n"
+        "  fp8_format: E4M3\n"
+        "  amax_history_length: 32\n"
+        "  amax_compute_algorithm: max\n"
+        "  optimization_level: O1\n"
+        "  margin: 2\n"
+        "  interval: 3\n"
+        "  override_linear_precision: [false, false, true]\n"
+    )
+    code, results, output = launch(tmp_path, ["--config_file", str(config)], ["--check-config"])
+    assert code == 0, output[-3000:]
+    recipe = results[0]["recipe"]
+    assert results[0]["engine"] == "native"
+    assert (recipe["backend"], recipe["fp8_format"], recipe["amax_history_len"], recipe["amax_compute_algo"]) == (
+        "native", "E4M3", 32, "max")
+    assert (recipe["opt_level"], recipe["margin"], recipe["interval"]) == ("O1", 2, 3)
+    assert recipe["override_linear_precision"] == [False, False, True]

@@ -1,0 +1,185 @@
+"""fp8plug.roofline: the cost model ranks FP8 against bf16, calibrate() recovers known constants,
+and the filter plugs into FP8RecipeKwargs.module_filter_fn."""
+
+import math
+import warnings
+
+import pytest
+from torch import nn
+
+from fp8plug import FP8RecipeKwargs, get_backend
+from fp8plug.bench import SWEEP_SHAPES, write_json
+from fp8plug.roofline import (
+    DEFAULT_H100,
+    Costs,
+    calibrate,
+    explain,
+    load_bench,
+    load_constants,
+    make_module_filter,
+    predict_ms,
+    predicted_speedup,
+    save_constants,
+)
+
+TOKENS = 16384
+
+
+def _filter(backend="native", tokens=TOKENS, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_module_filter(backend, tokens, **kwargs)
+
+
+def _linear(k, n):
+    return nn.Linear(k, n, bias=False, device="meta")
+
+
+@pytest.mark.parametrize("backend", ["native", "ao", "te"])
+def test_default_constants_accept_70b_shapes_and_reject_small_k_or_n(backend):
+    keep = _filter(backend)
+    for k, n in [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]:
+        assert keep(_linear(k, n), f"big_{k}_{n}"), (k, n, keep.decisions)
+    for k, n in [(64, 8192), (8192, 64), (256, 256), (128, 128)]:
+        assert not keep(_linear(k, n), f"small_{k}_{n}"), (k, n, keep.decisions)
+    assert keep.decisions["big_8192_8192"] > 1.2
+    assert keep.decisions["small_64_8192"] < 1.0
+
+
+def test_non_linear_modules_are_left_to_the_engine():
+    keep = _filter()
+    assert keep(nn.LayerNorm(16), "norm") is True
+    assert "norm" not in keep.decisions
+
+
+def test_speedup_grows_with_tokens_and_width():
+    assert predicted_speedup(1024, 4096, 4096, "native") < predicted_speedup(16384, 4096, 4096, "native")
+    assert predicted_speedup(16384, 1024, 1024, "native") < predicted_speedup(16384, 8192, 8192, "native")
+
+
+def test_min_speedup_raises_the_bar():
+    s = predicted_speedup(TOKENS, 4096, 4096, "native")
+    assert _filter(min_speedup=s * 0.99)(_linear(4096, 4096), "x")
+    assert not _filter(min_speedup=s * 1.01)(_linear(4096, 4096), "x")
+
+
+def test_placeholder_constants_warn():
+    with pytest.warns(UserWarning, match="placeholder"):
+        make_module_filter("native", TOKENS)
+    assert all(c.note.startswith("PLACEHOLDER") for c in DEFAULT_H100.values())
+
+
+@pytest.mark.parametrize("tokens", [0, -5, 1.5, True, "16384", None])
+def test_bad_token_count_is_a_clear_error(tokens):
+    with pytest.raises(ValueError, match="tokens must be a positive integer"):
+        make_module_filter("native", tokens)
+
+
+def test_unknown_engine_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_module_filter("fp4", TOKENS)
+    with pytest.raises(ValueError, match="name the engine"):
+        make_module_filter(None, TOKENS)
+
+
+def test_filter_through_fp8_recipe_kwargs_and_native_conversion():
+    model = nn.Sequential(_linear(8192, 8192), _linear(8192, 64), nn.Linear(4096, 4096, device="meta"))
+    keep = _filter("native")
+    recipe = FP8RecipeKwargs(backend="native", module_filter_fn=keep)
+    report = get_backend("native").convert(model, recipe)
+    assert report.converted == ["0", "2"]
+    assert report.skipped == {"1": "module_filter_fn returned False"}
+    assert set(keep.decisions) == {"0", "1", "2"}
+
+
+def test_explain_lists_every_linear_with_its_verdict():
+    model = nn.Sequential(_linear(8192, 8192), _linear(64, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = explain(model, "native", TOKENS)
+    lines = text.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("0: 16384x8192x8192") and lines[0].endswith("-> fp8")
+    assert lines[1].startswith("1: 16384x64x64") and lines[1].endswith("-> bf16")
+
+
+# --- calibration -----------------------------------------------------------------------------------
+
+TRUE = {
+    "bf16": Costs(650.0, 2900.0, 35.0),
+    "native:dynamic": Costs(1250.0, 2400.0, 140.0),
+    "ao:tensorwise": Costs(1350.0, 2700.0, 90.0),
+}
+EAGER_NATIVE = Costs(1000.0, 900.0, 600.0)
+
+
+def _row(shape, engine, ms, mode="compiled", error=None):
+    m, k, n = shape
+    backend, _, scaling = engine.partition(":") if ":" in engine else (None, "", None)
+    return dict(shape=f"{m}x{k}x{n}", M=m, K=k, N=n, mode=mode, engine=engine, backend=backend,
+                scaling=scaling or None, default_scaling=True, ms=ms, tflops=None, speedup=None, error=error)
+
+
+def _synthetic_rows(noise=0.0):
+    rows = []
+    for i, shape in enumerate(SWEEP_SHAPES):
+        for j, (engine, costs) in enumerate(TRUE.items()):
+            wiggle = 1 + noise * math.sin(7.3 * i + 2.1 * j)  # deterministic, within +-noise
+            rows.append(_row(shape, engine, predict_ms(*shape, costs, fp8=engine != "bf16") * wiggle))
+        rows.append(_row(shape, "native:dynamic", predict_ms(*shape, EAGER_NATIVE, fp8=True), mode="eager"))
+        rows.append(_row(shape, "fp8-gemm", 0.001))  # the GEMM bound is no engine: ignored
+    rows.append(_row((16384, 8192, 8192), "ao:tensorwise", None, error="CUDA out of memory at this shape"))
+    return rows
+
+
+def _close(a, b, rel):
+    return abs(a - b) <= rel * abs(b)
+
+
+def test_calibrate_recovers_known_constants():
+    fitted = calibrate({"meta": {}, "rows": _synthetic_rows()})
+    assert set(fitted) == {"bf16", "native:dynamic", "native", "ao:tensorwise", "ao"}
+    for name, true in TRUE.items():
+        got = fitted[name]
+        assert _close(got.peak_tflops, true.peak_tflops, 0.01), (name, got)
+        assert _close(got.bandwidth_gbs, true.bandwidth_gbs, 0.01), (name, got)
+        assert abs(got.overhead_us - true.overhead_us) <= 1.0, (name, got)
+        assert got.note.startswith("calibrated")
+    assert fitted["native"] == fitted["native:dynamic"]
+
+
+def test_calibrate_picks_the_mode():
+    fitted = calibrate(_synthetic_rows(), mode="eager")
+    assert set(fitted) == {"native:dynamic", "native"}
+    assert _close(fitted["native"].overhead_us, EAGER_NATIVE.overhead_us, 0.01)
+
+
+def test_calibrate_with_noise_still_ranks_shapes_right():
+    fitted = calibrate(_synthetic_rows(noise=0.03))
+    for shape in [(16384, 8192, 8192), (16384, 28672, 8192), (2048, 1024, 1024), (16384, 128, 8192)]:
+        want = predicted_speedup(*shape, "native", constants=dict(TRUE, native=TRUE["native:dynamic"]))
+        got = predicted_speedup(*shape, "native", constants=fitted)
+        assert _close(got, want, 0.06), (shape, got, want)
+
+
+def test_calibrated_constants_change_the_filter_decision():
+    shape = (2048, 2048)
+    fast_casts = {"bf16": Costs(650.0, 2900.0, 35.0), "native": Costs(1400.0, 6000.0, 5.0, "calibrated")}
+    slow_casts = {"bf16": Costs(650.0, 2900.0, 35.0), "native": Costs(1400.0, 500.0, 400.0, "calibrated")}
+    assert make_module_filter("native", TOKENS, constants=fast_casts)(_linear(*shape), "x")
+    assert not make_module_filter("native", TOKENS, constants=slow_casts)(_linear(*shape), "x")
+
+
+def test_calibrate_skips_engines_with_too_few_shapes():
+    rows = [_row(s, e, predict_ms(*s, TRUE[e], fp8=e != "bf16")) for s in SWEEP_SHAPES[:2] for e in TRUE]
+    assert calibrate(rows) == {}
+
+
+def test_bench_json_round_trip_and_constants_file(tmp_path):
+    path = tmp_path / "bench.json"
+    write_json(str(path), {"device": "synthetic"}, _synthetic_rows())
+    fitted = calibrate(load_bench(str(path)))
+    save_constants(fitted, str(tmp_path / "c.json"))
+    assert load_constants(str(tmp_path / "c.json")) == fitted
+    with pytest.raises(ValueError, match="fp8plug bench JSON"):
+        calibrate({"meta": {}})
