@@ -24,11 +24,9 @@ import os
 from typing import Dict, List, Optional
 
 import accelerate
+import accelerate.utils
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
-from accelerate.utils import FP8RecipeKwargs as AccelerateFP8RecipeKwargs
-from accelerate.utils.dataclasses import FP8BackendType
 from torch import nn
 
 from .autocast import apply_fp8_autowrap
@@ -38,7 +36,18 @@ from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_stat
 from .convert import ConversionError, ConversionReport, wrapped_kind
 from .recipe import FP8RecipeKwargs
 
-_ACCELERATE_FP8_HANDLERS = (AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, AccelerateFP8RecipeKwargs)
+# accelerate's own FP8 handler classes (which exist depends on its version)
+_ACCELERATE_FP8_HANDLERS = tuple(
+    getattr(accelerate.utils, name)
+    for name in ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")
+    if hasattr(accelerate.utils, name)
+)
+try:  # what accelerate's `fp8_backend` says when it has no FP8 work to do (None before 1.3)
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    _NO_FP8, _AO_FP8 = FP8BackendType.NO, FP8BackendType.AO
+except (ImportError, AttributeError):  # pragma: no cover - older accelerate
+    _NO_FP8, _AO_FP8 = None, "AO"
 _INIT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 
 
@@ -82,7 +91,7 @@ class Accelerator(accelerate.Accelerator):
             recipe = recipe or FP8RecipeKwargs()
             arguments["mixed_precision"] = "bf16"  # what runs outside the FP8 Linears
         arguments["kwargs_handlers"] = handlers
-        self._fp8_view_backend = FP8BackendType.NO
+        self._fp8_view_backend = _NO_FP8
         super().__init__(**arguments)
 
         self.fp8_enabled = fp8_on
@@ -107,7 +116,7 @@ class Accelerator(accelerate.Accelerator):
         return super().mixed_precision
 
     @property
-    def fp8_backend(self) -> FP8BackendType:
+    def fp8_backend(self):
         # NO keeps accelerate's _prepare_te/_prepare_ao/_prepare_msamp and TE autowrap off: fp8plug
         # does that work. (Accelerate itself would also fail on `native` or a lower-case `ao`.)
         return self._fp8_view_backend
@@ -116,11 +125,11 @@ class Accelerator(accelerate.Accelerator):
         # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
         # torchao's float8 weight wrapper only when it believes torchao is the FP8 backend.
         if self.fp8_engine is not None and self.fp8_engine.name == "ao":
-            self._fp8_view_backend = FP8BackendType.AO
+            self._fp8_view_backend = _AO_FP8
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
         finally:
-            self._fp8_view_backend = FP8BackendType.NO
+            self._fp8_view_backend = _NO_FP8
 
     def _prepare_fsdp2(self, *args):
         # accelerate finds each optimizer parameter's sharded replacement by data pointer. A tensor

@@ -8,6 +8,7 @@ wrapping twice replaces the first wrapper instead of nesting.
 from __future__ import annotations
 
 import functools
+from types import MethodType
 from typing import Optional
 
 from torch import nn
@@ -34,21 +35,24 @@ def _resolve(fp8_recipe, backend):
 
 
 def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: bool = False, backend=None):
-    """Wrap a bound `model.forward` so it runs inside the engine's FP8 autocast in training mode,
-    and in high precision in eval mode unless `use_during_eval`.
+    """Wrap `model.forward` so it runs inside the engine's FP8 autocast in training mode, and in
+    high precision in eval mode unless `use_during_eval`.
 
-    `fp8_recipe` is an FP8RecipeKwargs (or a TransformerEngine recipe object); `backend` picks the
-    engine (default: the recipe's, else automatic). Returns a function to bind as the forward; its
-    `__wrapped__` is the original.
+    As in Accelerate, the result takes the module as its first argument: bind it with
+    `model.forward = types.MethodType(wrapped, model)` (apply_fp8_autowrap does this). `fp8_recipe`
+    is an FP8RecipeKwargs (or a TransformerEngine recipe object); `backend` picks the engine
+    (default: the recipe's, else automatic). `__wrapped__` is the original forward.
     """
-    original = getattr(model_forward, "__wrapped__", model_forward) if getattr(model_forward, _MARK, False) else model_forward
+    original = model_forward.__wrapped__ if getattr(model_forward, _MARK, False) else model_forward
     engine, recipe = _resolve(fp8_recipe, backend)
-    owner = getattr(original, "__self__", None)
+    bound_to = getattr(original, "__self__", None)
 
     @functools.wraps(original)
-    def forward(*args, **kwargs):
-        training = owner.training if owner is not None else True
-        with engine.autocast(recipe, enabled=training or use_during_eval):
+    def forward(self, *args, **kwargs):
+        with engine.autocast(recipe, enabled=self.training or use_during_eval):
+            if bound_to is not None and self is not bound_to and isinstance(self, type(bound_to)):
+                # a deep copy of the model: run the copy's forward, not the original's
+                return original.__func__(self, *args, **kwargs)
             return original(*args, **kwargs)
 
     forward.__wrapped__ = original
@@ -61,7 +65,8 @@ def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeK
     twice leaves one wrapper. Eval runs in FP8 only if the handler's use_autocast_during_eval."""
     recipe = fp8_recipe_handler or FP8RecipeKwargs()
     use_during_eval = getattr(recipe, "use_autocast_during_eval", False)
-    model.forward = contextual_fp8_autocast(model.forward, recipe, use_during_eval, backend=backend)
+    wrapped = contextual_fp8_autocast(model.forward, recipe, use_during_eval, backend=backend)
+    model.forward = MethodType(wrapped, model)  # a bound method: copy.deepcopy rebinds it to the copy
     return model
 
 

@@ -134,7 +134,11 @@ def test_bad_scaling_fails_at_construction():
 # --- prepare ---------------------------------------------------------------------------------------
 
 
-def test_prepare_converts_once_and_runs_fp8_under_bf16_autocast():
+def test_prepare_converts_once_and_runs_fp8_under_bf16_autocast(monkeypatch):
+    import accelerate
+
+    for name in ("_prepare_te", "_prepare_ao", "_prepare_msamp"):  # accelerate's own FP8 must not run
+        monkeypatch.setattr(accelerate.Accelerator, name, lambda *a, **k: pytest.fail("accelerate's FP8 ran"))
     acc = make(FP8RecipeKwargs(backend="native", modules_to_ignore=["lm_head"]))
     model, optimizer = model_and_optimizer()
     model, optimizer = acc.prepare(model, optimizer)
@@ -215,6 +219,25 @@ def test_compiled_model_is_refused_before_conversion():
     with pytest.raises(ConversionError, match="already compiled"):
         acc.prepare(torch.compile(model), optimizer)
     assert not any(isinstance(m, NativeFP8Linear) for m in model.modules())
+
+
+def test_sharded_or_ddp_wrapped_model_is_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    acc = make()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConversionError, match="already sharded with FSDP2"):
+            acc.prepare(sharded)
+        with pytest.raises(ConversionError, match="already wrapped in DistributedDataParallel"):
+            acc.prepare(nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 32))))
+    finally:
+        dist.destroy_process_group()
+    assert not acc.fp8_reports
 
 
 class CountingNative(NativeBackend):
@@ -394,3 +417,39 @@ def test_storage_view_for_fsdp2_parameter_mapping():
     assert storage_view(weight).data_ptr() == storage
     plain = nn.Parameter(torch.ones(2))
     assert storage_view(plain) is plain
+
+
+def test_float8_all_gather_only_under_fsdp2():
+    # `accelerate launch` exports ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER=true unasked; without
+    # FSDP2 the torchao engine gets plain weights
+    pytest.importorskip("torchao.float8")
+    acc = make(FP8RecipeKwargs(backend="ao", enable_fsdp_float8_all_gather=True))
+    model, optimizer = model_and_optimizer()
+    model, optimizer = acc.prepare(model, optimizer)
+    assert type(model.layers[0].q.weight) is nn.Parameter
+    assert acc.fp8_recipe.enable_fsdp_float8_all_gather  # the user's recipe is left as given
+    losses = train(acc, model, optimizer, batches(2))
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_example_script_resumes_identically(tmp_path, monkeypatch):
+    # examples/train_accelerate.py --save-at/--resume, as `accelerate launch` would run it twice
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_accelerate.py"
+    spec = importlib.util.spec_from_file_location("train_accelerate", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "native")
+    common = ["--steps", "6", "--dim", "32", "--ffn", "64", "--layers", "1", "--heads", "2", "--seq", "16",
+              "--vocab", "64", "--batch", "2"]
+    script.main(common + ["--save-at", "3", "--save-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a")])
+    fresh()
+    script.main(common + ["--resume", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b")])
+    full = json.loads((tmp_path / "a" / "rank0.json").read_text())
+    resumed = json.loads((tmp_path / "b" / "rank0.json").read_text())
+    assert resumed["start_step"] == 3 and resumed["losses"] == full["losses"][3:]
+    assert resumed["weights"] == full["weights"]

@@ -206,6 +206,9 @@ def test_a_whole_torchao_config(engine):
     assert model[0].config.cast_config_input_for_grad_weight.scaling_type is ScalingType.DISABLED
     with pytest.raises(ValueError, match="not both"):
         engine.convert(two_layers(), FP8RecipeKwargs(ao_config=config, scaling="rowwise"))
+    gathered = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather.*not cast to float8"):
+        engine.convert(two_layers(), FP8RecipeKwargs(ao_config=gathered, override_linear_precision=(True, False, False)))
     with pytest.raises(ValueError, match="only on backend='ao'"):
         FP8RecipeKwargs(backend="te", ao_config=config)
     with pytest.raises(ValueError, match="expected a torchao.float8.Float8LinearConfig"):
@@ -343,3 +346,31 @@ def test_unconvert_gives_back_the_same_parameters(engine, all_gather):
     assert all(type(p) is nn.Parameter for p in model.parameters())
     for key, value in model.state_dict().items():
         assert torch.equal(value, plain_state[key])
+
+
+# --- under fp8plug.Accelerator ------------------------------------------------------------------------------
+
+
+def test_accelerator_converts_and_runs_the_after_step_work(monkeypatch):
+    accelerator = fp8plug.Accelerator(
+        mixed_precision="fp8", cpu=True, kwargs_handlers=[recipe(enable_fsdp_float8_all_gather=True)]
+    )
+    engine = accelerator.fp8_engine
+    assert engine.name == "ao"
+    calls = []
+    monkeypatch.setattr(engine, "after_optimizer_step", lambda model: calls.append(model))
+    model = two_layers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(model[0], Float8Linear) and isinstance(model[2], Float8Linear)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for p in model.parameters()}  # the optimizer steps the model's weights
+    x = torch.randn(32, 64)
+    losses = []
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert len(calls) == 3 and losses[-1] < losses[0]

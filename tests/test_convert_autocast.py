@@ -1,6 +1,7 @@
 """The shared conversion rules and the context-aware autocast, on the native engine."""
 
 import copy
+from types import MethodType
 
 import pytest
 import torch
@@ -122,14 +123,25 @@ def test_contextual_fp8_autocast_on_a_bound_forward():
     model = decoder()
     fp8plug.convert_model(model, recipe=native())
     wrapped = fp8plug.contextual_fp8_autocast(model.forward, native(), use_during_eval=False)
+    model.forward = MethodType(wrapped, model)
     tokens = torch.randint(0, 64, (2, 16))
     model.eval()
-    out = wrapped(tokens)
+    out = model(tokens)
     assert model.layers[0].q.fp8_step.tolist() == [0, 0, 0]  # eval: no FP8 step
     model.train()
-    wrapped(tokens)
+    model(tokens)
     assert model.layers[0].q.fp8_step.tolist() == [1, 1, 0]
     assert out.shape == (2, 16, 64)
+
+
+def test_deep_copy_of_a_wrapped_model_runs_its_own_forward():
+    model = decoder()
+    fp8plug.convert_model(model, recipe=native())
+    fp8plug.apply_fp8_autowrap(model, native())
+    clone = copy.deepcopy(model)
+    clone(torch.randint(0, 64, (2, 16)))
+    assert clone.layers[0].q.fp8_step.tolist() == [1, 1, 0]
+    assert model.layers[0].q.fp8_step.tolist() == [0, 0, 0]
 
 
 def test_autowrapped_model_compiles_fullgraph():

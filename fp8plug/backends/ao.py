@@ -310,6 +310,9 @@ class AOBackend(Backend):
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
+        problem = float8_all_gather_problem(config) if config.enable_fsdp_float8_all_gather else None
+        if problem:
+            raise ValueError(f"enable_fsdp_float8_all_gather cannot be used with this float8 config: {problem}.")
         targets, report = plan_conversion(
             model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
             modules_to_ignore, module_filter_fn,

@@ -109,10 +109,6 @@ def delayed_scale_update(
 # --- the FP8 linear ------------------------------------------------------------------------------------
 
 
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
-
-
 def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return torch._scaled_mm(
         a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=out_dtype,
@@ -132,10 +128,15 @@ class _FP8Linear(torch.autograd.Function):
             out = F.linear(x.to(out_dtype), weight.to(out_dtype))
         else:
             out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, out_dtype, True)
+        # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
+        # contiguous. Transposing here, right after the cast, lets the compiler write both layouts
+        # from one read of the high-precision tensor; only the transposed copies are kept.
+        x_t = x_fp8.t().contiguous()
+        w_t = w_fp8.t().contiguous()
         if override[1] or override[2]:
-            ctx.save_for_backward(x_fp8, w_fp8, x_scale, w_scale, x, weight, *state)
+            ctx.save_for_backward(x_t, w_t, x_scale, w_scale, x, weight, *state)
         else:
-            ctx.save_for_backward(x_fp8, w_fp8, x_scale, w_scale, *state)
+            ctx.save_for_backward(x_t, w_t, x_scale, w_scale, *state)
         ctx.config = config
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.high_precision = override[1] or override[2]
@@ -145,7 +146,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo = ctx.config
         saved = ctx.saved_tensors
-        x_fp8, w_fp8, x_scale, w_scale = saved[:4]
+        x_t, w_t, x_scale, w_scale = saved[:4]
         if ctx.high_precision:
             x_hp, w_hp = saved[4:6]
             state = saved[6:]
@@ -163,11 +164,11 @@ class _FP8Linear(torch.autograd.Function):
         if override[1]:
             grad_x = grad_out.to(out_dtype) @ w_hp.to(out_dtype)
         else:
-            grad_x = _scaled_mm(g_fp8, _column_major(w_fp8), g_scale, w_scale, out_dtype, False)
+            grad_x = _scaled_mm(g_fp8, w_t.t(), g_scale, w_scale, out_dtype, False)
         if override[2]:
             grad_w = grad_out.to(out_dtype).t() @ x_hp.to(out_dtype)
         else:
-            grad_w = _scaled_mm(g_fp8.t().contiguous(), _column_major(x_fp8), g_scale, x_scale, out_dtype, False)
+            grad_w = _scaled_mm(g_fp8.t().contiguous(), x_t.t(), g_scale, x_scale, out_dtype, False)
         return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None
 
 

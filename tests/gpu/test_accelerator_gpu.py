@@ -185,11 +185,11 @@ def test_launch_with_the_one_gpu_example_config(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(root / "examples" / "configs" / "gpu_fp8.yaml"), str(root / "examples" / "train_accelerate.py"),
-           "--steps", "30", "--batch", "16", "--seq", "64", "--vocab", "256", "--dim", "128", "--ffn", "512"]
+           "--steps", "30", "--batch", "16", "--seq", "64", "--vocab", "256", "--dim", "128", "--ffn", "512",
+           "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("FP8PLUG_RESULT ")][0]
-    result = json.loads(line[len("FP8PLUG_RESULT "):])
+    result = json.loads((tmp_path / "out" / "rank0.json").read_text())
     assert result["engine"] == "te" and result["mixed_precision"] == "fp8"
     assert result["recipe"]["amax_compute_algo"] == "max" and result["recipe"]["amax_history_len"] == 1024
     losses = result["losses"]

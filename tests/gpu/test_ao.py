@@ -137,6 +137,17 @@ def test_odd_token_count_falls_back_unless_padded():
     assert 20 <= sqnr_db(out, ref_out) <= 40 and sqnr_db(dx, ref_dx) >= 18 and sqnr_db(dw, ref_dw) >= 18
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() >= (10, 0) if torch.cuda.is_available() else True,
+                    reason="Blackwell may run MXFP8 for real")
+def test_mxfp8_is_refused_clearly_below_sm100():
+    from fp8plug.float8 import AOMXLinearConfig, Float8Config
+
+    model = nn.Sequential(nn.Linear(256, 256)).cuda()
+    with pytest.raises(RuntimeError, match="MXFP8 training cannot run here"):
+        Float8Config(ao_mx=AOMXLinearConfig()).apply_float8_linear(model)
+    assert type(model[0]) is nn.Linear and type(model[0].weight) is nn.Parameter  # left untouched
+
+
 def train(model, batches, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []

@@ -48,15 +48,14 @@ def launch(tmp_path, config):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env["HF_HOME"] = str(tmp_path / "hf_home")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT), *TRAIN_ARGS]
+    out = tmp_path / f"results_{config.stem}"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT), *TRAIN_ARGS,
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("FP8PLUG_RESULT "):
-            result = json.loads(line[len("FP8PLUG_RESULT "):])
-            results[result["rank"]] = result
+    # each rank writes its own file (two ranks' long stdout lines can interleave)
+    results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
     assert sorted(results) == [0, 1], output[-5000:]
     return results
 

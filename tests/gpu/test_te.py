@@ -5,6 +5,7 @@ checkpoints and exact resume, gradient-accumulation caching, and a small decoder
 
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -200,7 +201,7 @@ def test_native_te_recipe_object_is_accepted():
     model = linear_stack(widths=(64, 64))
     get_backend("te").convert(model)
     native = te_recipes.DelayedScaling(fp8_format=te_recipes.Format.E4M3, amax_history_len=8)
-    model.forward = fp8plug.contextual_fp8_autocast(model.forward, native)
+    model.forward = types.MethodType(fp8plug.contextual_fp8_autocast(model.forward, native), model)
     model(torch.randn(16, 64, device=DEVICE, dtype=BF16))
     assert model[0].fp8_meta["recipe"] is native
 

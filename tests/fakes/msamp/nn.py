@@ -29,6 +29,22 @@ class ScalingModule(torch.nn.Module):
         else:
             super().__setattr__(name, value)
 
+    def _apply(self, fn, recurse=True):
+        """As MS-AMP's ScalingModule._apply, so model.to(device) works: ScalingParameters move
+        (keeping their quantized dtype), other parameters and buffers as torch does it."""
+        for module in self.children():
+            module._apply(fn)
+        with torch.no_grad():
+            for param in self._parameters.values():
+                if isinstance(param, ScalingParameter):
+                    param.value = fn(param.value).to(param.value.dtype)
+                elif param is not None:
+                    param.data = fn(param)
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
+
 
 class FP8Linear(ScalingModule):
     def __init__(self, in_features, out_features, use_bias=True, weight_qtype=Dtypes.kfloat16,
