@@ -34,6 +34,7 @@ from .backends import select_backend
 from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, wrapped_kind
+from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
@@ -159,6 +160,9 @@ class Accelerator(accelerate.Accelerator):
         optimizers += [getattr(opt, "optimizer", opt) for opt in self._optimizers]
         for i in new_models:
             args[i] = self._convert(args[i], optimizers, placements[i])
+        for i, obj in enumerate(args):  # opt-in low-precision optimizer states (recipe.optimizer_states)
+            if isinstance(obj, torch.optim.Optimizer):
+                args[i] = convert_optimizer(obj, self.fp8_recipe)
         self._pair_with_optimizers(args, [args[i] for i in new_models])
         for model in self._fp8_models:  # models prepared earlier count for new optimizers too
             for i in _holders(args, model):
@@ -242,6 +246,15 @@ class Accelerator(accelerate.Accelerator):
             first = None if num_steps <= 1 else (self.step - 1) % num_steps == 0
             with self.fp8_engine.microbatch(first):
                 yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """accelerate's clip_grad_norm_, or the engine's own where torch's cannot read its
+        gradients (MS-AMP's ScalingTensor gradients)."""
+        engine_clip = getattr(self.fp8_engine, "clip_grad_norm_", None)
+        if engine_clip is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        self.unscale_gradients()
+        return engine_clip(parameters, max_norm, norm_type=norm_type)
 
     # checkpoints -------------------------------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

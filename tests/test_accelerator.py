@@ -453,3 +453,24 @@ def test_example_script_resumes_identically(tmp_path, monkeypatch):
     resumed = json.loads((tmp_path / "b" / "rank0.json").read_text())
     assert resumed["start_step"] == 3 and resumed["losses"] == full["losses"][3:]
     assert resumed["weights"] == full["weights"]
+
+
+def test_optimizer_states_field_swaps_adamw_for_a_low_bit_one(monkeypatch):
+    """The opt-in recipe field reaches prepare(); without it the user's optimizer is kept."""
+    from torchao.optim import AdamW8bit
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = fp8plug.Accelerator(mixed_precision="fp8", cpu=True,
+                              kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend="native", optimizer_states="8bit")])
+    model, opt = acc.prepare(model, opt)
+    assert isinstance(opt.optimizer, AdamW8bit)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    model = nn.Sequential(nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = fp8plug.Accelerator(mixed_precision="fp8", cpu=True,
+                              kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend="native")])
+    model, opt = acc.prepare(model, opt)
+    assert type(opt.optimizer) is torch.optim.AdamW

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/performance.md and the GPU claims in docs/, on an H100/H200 with the
+# .gpu kit (see DEVELOPERS notes): `bash benchmarks/gpu_suite.sh STAGE... ` with $OUT set.
+# Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
+# profile (top kernels), bench (fp8plug bench, every engine), train (probe-model training step),
+# optim (optimizer-state memory), dist (two-GPU DDP/FSDP2 tests).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+OUT=${OUT:-out}; mkdir -p "$OUT"
+source .gpu/install.sh >/dev/null 2>"$OUT/kit.log" || { cat "$OUT/kit.log"; exit 1; }
+python3 -c "import torch, transformer_engine, torchao; print('device', torch.cuda.get_device_name(), 'torch', torch.__version__, 'TE', transformer_engine.__version__, 'torchao', torchao.__version__)"
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    tests) python3 -m pytest tests/gpu -q -m "not slow" -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests-all) python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    linear) python3 benchmarks/native_linear.py --json "$OUT/native_linear.json" 2>&1 | grep '^|\|device' ;;
+    profile) (cd benchmarks && python3 profile_linear.py --variant native-dynamic,torchao-tensorwise --rows 12) 2>&1 | grep -v Warning | tee "$OUT/profile.log" | cut -c1-150 ;;
+    bench) python3 -m fp8plug.bench --no-progress --engines native:dynamic,native:delayed,ao,te:delayed,te:current,fp8-gemm --modes compiled --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tail -40 ;;
+    train) python3 benchmarks/train_step.py --model probe --engines native,ao,te --timeout 240 --out "$OUT/probe" 2>&1 | tail -20 ;;
+    optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;
+    dist) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
