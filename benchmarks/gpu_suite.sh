@@ -12,10 +12,11 @@ python3 -c "import torch, transformer_engine, torchao; print('device', torch.cud
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
+    tests-native) python3 -m pytest tests/gpu/test_native_gpu.py -q -p no:cacheprovider -x 2>&1 | tail -3 ;;
     tests) python3 -m pytest tests/gpu -q -m "not slow" -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tests-all) python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     linear) python3 benchmarks/native_linear.py --json "$OUT/native_linear.json" 2>&1 | grep '^|\|device' ;;
-    profile) (cd benchmarks && python3 profile_linear.py --variant native-dynamic,torchao-tensorwise --rows 12) 2>&1 | grep -v Warning | tee "$OUT/profile.log" | cut -c1-150 ;;
+    profile) (cd benchmarks && python3 profile_linear.py --variant native-delayed,native-dynamic --rows 8) 2>&1 | grep -v Warning | tee "$OUT/profile.log" | cut -c1-150 ;;
     bench) python3 -m fp8plug.bench --no-progress --engines native:dynamic,native:delayed,ao,te:delayed,te:current,fp8-gemm --modes compiled --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tail -40 ;;
     train) python3 benchmarks/train_step.py --model probe --engines native,ao,te --timeout 240 --out "$OUT/probe" 2>&1 | tail -20 ;;
     optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;

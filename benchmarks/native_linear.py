@@ -71,6 +71,7 @@ def main():
         baseline = None
         for name, module in variants(base, names):
             module.train()
+            torch._dynamo.reset()  # else dynamo's recompile limit silently leaves later variants eager
             ms = time_fwd_bwd(module, x, grad)
             baseline = baseline or ms
             tflops = 6 * m * k * n / ms / 1e9

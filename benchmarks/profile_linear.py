@@ -26,6 +26,7 @@ def main():
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     for variant in args.variant.split(","):
+        torch._dynamo.reset()
         (name, module), = list(variants(base, [variant]))
         for _ in range(5):
             module(x).backward(grad)

@@ -87,19 +87,26 @@ def delayed_scale_update(
     margin: int,
     interval: int,
     algo: str,
+    first: bool,
 ) -> torch.Tensor:
     """One delayed-scaling step for one tensor, in place; returns the scale to use now.
 
-    On step 0 the scale comes from the current amax (an amax-initialised start, so the first step
-    cannot overflow). On a later step that is a multiple of `interval`, the scale is recomputed
-    from the history of past amaxes (its newest entry for "most_recent", its maximum for "max").
-    Then the current amax enters the history, which rolls, dropping its oldest entry.
+    On the first step (`first`, a Python flag the module keeps) the scale comes from the current
+    amax, an amax-initialised start so the first step cannot overflow. On a later step that is a
+    multiple of `interval`, the scale is recomputed from the history of past amaxes (its newest
+    entry for "most_recent", its maximum for "max"); otherwise it is kept. Then the current amax
+    enters the history, which rolls, dropping its oldest entry.
+
+    After the first step the scale never depends on the current tensor, so the compiler can fuse
+    the amax reduction into the cast: one read of the tensor instead of two. That is what delayed
+    scaling is for, and why the first step is a Python flag rather than a tensor condition.
     """
-    reduced = history[0] if algo == "most_recent" else history.amax(dim=0)
-    recomputed = scale_from_amax(reduced, fp8_max, margin, fallback=scale)
-    first = scale_from_amax(amax, fp8_max, margin)
-    due = (step > 0) & (step % interval == 0)
-    new_scale = torch.where(step == 0, first, torch.where(due, recomputed, scale))
+    if first:
+        new_scale = scale_from_amax(amax, fp8_max, margin)
+    else:
+        reduced = history[0] if algo == "most_recent" else history.amax(dim=0)
+        recomputed = scale_from_amax(reduced, fp8_max, margin, fallback=scale)
+        new_scale = torch.where(step % interval == 0, recomputed, scale)
     scale.copy_(new_scale)
     history.copy_(torch.cat([amax.reshape(1), history[:-1]]))
     step.add_(1)
@@ -121,7 +128,7 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, x_scale, w_scale, state, config):
-        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo = config
+        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo, first = config
         x_fp8 = quantize(x, x_scale, fwd_dtype)
         w_fp8 = quantize(weight, w_scale, fwd_dtype)
         if override[0]:
@@ -144,7 +151,7 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo = ctx.config
+        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo, first = ctx.config
         saved = ctx.saved_tensors
         x_t, w_t, x_scale, w_scale = saved[:4]
         if ctx.high_precision:
@@ -156,7 +163,7 @@ class _FP8Linear(torch.autograd.Function):
         fp8_max = FP8_MAX[bwd_dtype]
         if delayed:
             history, scale, step = state
-            g_scale = delayed_scale_update(history, scale, step, g_amax, fp8_max, margin, interval, algo)
+            g_scale = delayed_scale_update(history, scale, step, g_amax, fp8_max, margin, interval, algo, first)
         else:
             g_scale = scale_from_amax(g_amax, fp8_max)
         g_fp8 = quantize(grad_out, g_scale, bwd_dtype)
@@ -213,6 +220,9 @@ class NativeFP8Linear(nn.Linear):
         self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
+        # Whether an FP8 step has run: a Python flag so the compiled steady state has no
+        # first-step branch (one recompile after the first step). load_fp8_state restores it.
+        self.fp8_started = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **fp8_options) -> "NativeFP8Linear":
@@ -250,34 +260,34 @@ class NativeFP8Linear(nn.Linear):
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])
         out_dtype = self._out_dtype(x)
+        first = not self.fp8_started
         x_amax = amax_of(x2)
         w_amax = amax_of(self.weight)
-        x_scale = self._scale(INPUT, x_amax, self.fwd_dtype)
-        w_scale = self._scale(WEIGHT, w_amax, self.fwd_dtype)
+        x_scale = self._scale(INPUT, x_amax, self.fwd_dtype, first)
+        w_scale = self._scale(WEIGHT, w_amax, self.fwd_dtype, first)
         grad_delayed = self.scaling_modes[GRAD_OUTPUT] == "delayed"
         if grad_delayed:
             state = (self.fp8_amax_history[:, GRAD_OUTPUT], self.fp8_scale[GRAD_OUTPUT], self.fp8_step[GRAD_OUTPUT])
         else:
             state = ()
         config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision,
-                  grad_delayed, self.margin, self.interval, self.amax_compute_algo)
+                  grad_delayed, self.margin, self.interval, self.amax_compute_algo, first)
         out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, state, config)
+        if first:
+            self.fp8_started = True
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype, first: bool) -> torch.Tensor:
         """The scale for tensor `slot` (INPUT or WEIGHT) now, by that tensor's scaling mode."""
         if self.scaling_modes[slot] == "delayed":
             with torch.no_grad():
-                return self._delayed(slot, amax, dtype)
+                return delayed_scale_update(
+                    self.fp8_amax_history[:, slot], self.fp8_scale[slot], self.fp8_step[slot], amax,
+                    FP8_MAX[dtype], self.margin, self.interval, self.amax_compute_algo, first,
+                )
         return scale_from_amax(amax, FP8_MAX[dtype])
-
-    def _delayed(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return delayed_scale_update(
-            self.fp8_amax_history[:, slot], self.fp8_scale[slot], self.fp8_step[slot], amax,
-            FP8_MAX[dtype], self.margin, self.interval, self.amax_compute_algo,
-        )
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
@@ -360,3 +370,4 @@ class NativeBackend(Backend):
                         "as when it was saved."
                     )
                 target.copy_(saved)
+            modules[fqn].fp8_started = bool(modules[fqn].fp8_step.max() > 0)
