@@ -66,6 +66,19 @@ def test_three_dimensional_input_and_bf16():
     assert sqnr_db(out, ref) >= 20
 
 
+def test_scaling_state_stays_float32_when_the_module_is_cast():
+    layer = make(in_f=64, out_f=32)
+    for _ in range(3):
+        layer(torch.randn(16, 64))
+    history = layer.fp8_amax_history.clone()
+    layer = layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.fp8_scale.dtype == torch.float32 and torch.equal(layer.fp8_amax_history, history)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # float32 scales reach _scaled_mm
+    assert layer.fp8_scale.dtype == torch.float32
+
+
 def test_output_follows_autocast_dtype():
     layer = make(in_f=64, out_f=32)
     x = torch.randn(16, 64)

@@ -61,7 +61,12 @@ class native_fp8_autocast:
 
 
 def amax_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()
+    """max |t| as a float32 scalar. Reduced row by row first: a row reduction walks the tensor the
+    way the FP8 cast does, so the compiler can compute both in one read (delayed scaling)."""
+    t = t.detach().abs()
+    if t.dim() >= 2:
+        t = t.amax(dim=-1)
+    return t.amax().float()
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0, fallback=None) -> torch.Tensor:
@@ -223,6 +228,17 @@ class NativeFP8Linear(nn.Linear):
         # Whether an FP8 step has run: a Python flag so the compiled steady state has no
         # first-step branch (one recompile after the first step). load_fp8_state restores it.
         self.fp8_started = False
+
+    def _apply(self, fn, recurse=True):
+        """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
+        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only."""
+        kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32:
+                self._buffers[name] = before.to(device=after.device)
+        return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **fp8_options) -> "NativeFP8Linear":
