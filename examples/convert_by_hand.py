@@ -91,9 +91,11 @@ def main(argv=None) -> int:
     model.eval()
     with torch.no_grad():
         x = torch.randn(16, args.width, device=device)
-        # eval runs in high precision: the plain model's numbers (up to GEMM kernel rounding)
-        same = torch.allclose(model(x), plain(x), rtol=1e-3, atol=1e-5)
-    print(f"plain keys: {set(state_dict) == plain_keys}; eval equals the plain model: {same}")
+        # eval runs in high precision: the plain model's numbers, up to GEMM kernel rounding
+        # (exactly the same with native and ao; TransformerEngine's kernels may round differently)
+        y_fp8_model, y_plain = model(x), plain(x)
+        eval_diff = ((y_fp8_model - y_plain).norm() / y_plain.norm()).item()
+    print(f"plain keys: {set(state_dict) == plain_keys}; eval vs the plain model: relative difference {eval_diff:.2e}")
 
     # And back: unconvert_model swaps the FP8 layers for nn.Linear holding the same Parameters.
     fp8plug.remove_fp8_autowrap(model)
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
 
     print("result: " + json.dumps({"engine": report.backend, "converted": report.converted,
                                    "skipped": report.skipped, "first_loss": losses[0], "last_loss": losses[-1],
-                                   "eval_equals_plain": same, "device": device.type}))
+                                   "plain_keys": set(state_dict) == plain_keys, "eval_diff": eval_diff,
+                                   "device": device.type}))
     return 0
 
 

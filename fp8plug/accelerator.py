@@ -112,12 +112,15 @@ class Accelerator(accelerate.Accelerator):
     # what accelerate sees -------------------------------------------------------------------------
     @property
     def mixed_precision(self):
+        """"fp8" while FP8 is on (accelerate itself runs bf16 then); otherwise accelerate's value."""
         if getattr(self, "fp8_enabled", False) and getattr(self, "fp8_engine", None) is not None:
             return "fp8"
         return super().mixed_precision
 
     @property
     def fp8_backend(self):
+        """What accelerate's own FP8 code sees: FP8BackendType.NO, on purpose (fp8plug does the FP8
+        work). The engine in use is `fp8_engine` (its name: `fp8_engine.name`)."""
         # NO keeps accelerate's _prepare_te/_prepare_ao/_prepare_msamp and TE autowrap off: fp8plug
         # does that work. (Accelerate itself would also fail on `native` or a lower-case `ao`.)
         return self._fp8_view_backend

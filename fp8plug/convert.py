@@ -32,6 +32,7 @@ class ConversionReport:
         return "\n".join(lines)
 
     def merge(self, other: "ConversionReport") -> "ConversionReport":
+        """Add `other`'s converted and skipped modules to this report (in place) and return it."""
         self.converted += other.converted
         self.skipped.update(other.skipped)
         return self

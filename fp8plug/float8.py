@@ -183,6 +183,8 @@ class Float8Config:
         self.validate()
 
     def validate(self) -> None:
+        """Check the fields (at most one of ao, ao_recipe, ao_mx; known recipe names; a list of
+        names) and normalise ao_recipe and modules_to_ignore; ValueError naming the field if not."""
         given = [name for name in ("ao", "ao_recipe", "ao_mx") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(
@@ -363,6 +365,7 @@ class Float8LinearConfig:
 
     @property
     def delayed(self) -> bool:
+        """Whether any tensor uses DELAYED scaling (then the native engine serves the config)."""
         return ScalingType.DELAYED in self.scaling_types
 
     def to_torchao(self):

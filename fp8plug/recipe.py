@@ -246,6 +246,7 @@ class FP8RecipeKwargs(KwargsHandler):
         return name in self._explicit_fields
 
     def to_dict(self):
+        """The resolved fields as a dict (without module_filter_fn, which is a function)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.pop("module_filter_fn")
         return out
