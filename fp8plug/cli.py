@@ -27,7 +27,7 @@ def env_report(device=None) -> str:
     ]
     try:
         selection = select_backend(None, info)
-        lines.append(selection.explain())
+        lines.extend(selection.explain().splitlines()[1:])  # its first line repeats the device
         lines.append(f"automatic choice: {selection.name} ({selection.backend.title})")
     except BackendUnavailableError as exc:
         lines.append(str(exc))

@@ -45,6 +45,7 @@ DEFAULTS = {
     "enable_fsdp_float8_all_gather": False,
     "pad_inner_dim": False,
     "optimizer_states": None,
+    "scaling": None,
 }
 
 # field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
@@ -61,9 +62,12 @@ ENV_NAMES = {
     "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
     "enable_fsdp_float8_all_gather": ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", None),
     "pad_inner_dim": ("ACCELERATE_FP8_PAD_INNER_DIM", None),
-    # fp8plug's own (accelerate launch knows nothing of it)
-    "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", None),
+    # fp8plug's own fields: `accelerate launch` still exports them from a config file's
+    # `fp8_config:` section as ACCELERATE_FP8_<KEY>; FP8PLUG_* is for setting them by hand.
+    "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", "ACCELERATE_FP8_OPTIMIZER_STATES"),
+    "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
 }
+MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
 OVERRIDE_ENV_NAMES = (
     "ACCELERATE_FP8_OVERRIDE_FPROP",
     "ACCELERATE_FP8_OVERRIDE_DGRAD",
@@ -190,6 +194,10 @@ class FP8RecipeKwargs(KwargsHandler):
             if getattr(self, name) is None:
                 value = _env_value(name, environ)
                 setattr(self, name, value if value is not None else DEFAULTS[name])
+        if self.modules_to_ignore is None:
+            text = next((environ[n] for n in MODULES_TO_IGNORE_ENV if environ.get(n)), None)
+            if text is not None:
+                self.modules_to_ignore = _name_list(text)
         if self.override_linear_precision is None:
             env = _env_override(environ)
             self.override_linear_precision = env if env is not None else DEFAULTS["override_linear_precision"]
@@ -250,6 +258,12 @@ class FP8RecipeKwargs(KwargsHandler):
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.pop("module_filter_fn")
         return out
+
+
+def _name_list(text: str) -> list:
+    """Module names from the environment: "a,b" or a YAML/Python list as launch exports it."""
+    cleaned = text.strip().strip("[]()")
+    return [part.strip().strip("'\"") for part in cleaned.split(",") if part.strip().strip("'\"")]
 
 
 def _choice(name, value, allowed, canon):

@@ -374,3 +374,16 @@ def test_accelerator_converts_and_runs_the_after_step_work(monkeypatch):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert len(calls) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_cpu_bf16_autocast_trains_every_recipe(scaling):
+    """torchao casts a Float8Linear's input under CUDA autocast only; fp8plug does it on the CPU
+    too, or the high-precision weight-gradient GEMM of rowwise_with_gw_hp meets mixed dtypes."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="ao", scaling=scaling))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(32, 64))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()

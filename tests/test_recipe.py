@@ -14,7 +14,7 @@ def clean_env(monkeypatch):
     import os
 
     for key in list(os.environ):
-        if key.startswith(ENV_PREFIX):
+        if key.startswith((ENV_PREFIX, "FP8PLUG_")):
             monkeypatch.delenv(key)
 
 
@@ -123,3 +123,22 @@ def test_bad_environment_value_is_reported(monkeypatch):
     monkeypatch.setenv(ENV_PREFIX + "AMAX_COMPUTE_ALGO", "median")
     with pytest.raises(ValueError, match="amax_compute_algo"):
         FP8RecipeKwargs()
+
+
+def test_fp8plug_fields_from_a_launch_config(monkeypatch):
+    """`fp8_config:` keys fp8plug adds reach it through what accelerate launch exports."""
+    monkeypatch.setenv(ENV_PREFIX + "SCALING", "Dynamic")
+    monkeypatch.setenv(ENV_PREFIX + "MODULES_TO_IGNORE", "['lm_head', 'layers.0.q']")
+    monkeypatch.setenv(ENV_PREFIX + "OPTIMIZER_STATES", "8bit")
+    r = FP8RecipeKwargs()
+    assert r.scaling == "dynamic"
+    assert r.modules_to_ignore == ("lm_head", "layers.0.q")
+    assert r.optimizer_states == "8bit"
+    assert FP8RecipeKwargs(scaling="delayed", modules_to_ignore=[]).scaling == "delayed"
+
+
+def test_fp8plug_variables_set_by_hand(monkeypatch):
+    monkeypatch.setenv("FP8PLUG_MODULES_TO_IGNORE", "lm_head, head2")
+    monkeypatch.setenv("FP8PLUG_SCALING", "dynamic")
+    r = FP8RecipeKwargs()
+    assert r.modules_to_ignore == ("lm_head", "head2") and r.scaling == "dynamic"

@@ -82,7 +82,7 @@ def _float8_linear_class():
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if _fp8_now(self, input, ALIGN, self.config.pad_inner_dim or self.config.emulate):
-                return super().forward(input)
+                return super().forward(_cpu_autocast_input(input))
             return F.linear(input, _high_precision_weight(self.weight), self.bias)
 
     AOFloat8Linear.__module__ = __name__
@@ -102,6 +102,14 @@ class AOMXLinear(nn.Linear):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         with torch._C.DisableTorchFunctionSubclass():
             return F.linear(input, self.weight, self.bias)
+
+
+def _cpu_autocast_input(input: torch.Tensor) -> torch.Tensor:
+    """torchao casts a float8 layer's input to the autocast dtype under CUDA autocast only; do the
+    same under CPU autocast, or the high-precision gradient GEMMs meet mixed dtypes."""
+    if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return input.to(torch.get_autocast_dtype("cpu"))
+    return input
 
 
 def __getattr__(name):
