@@ -321,13 +321,7 @@ class AOBackend(Backend):
         problem = float8_all_gather_problem(config) if config.enable_fsdp_float8_all_gather else None
         if problem:
             raise ValueError(f"enable_fsdp_float8_all_gather cannot be used with this float8 config: {problem}.")
-        targets, report = plan_conversion(
-            model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            modules_to_ignore, module_filter_fn,
-        )
-        planned = [fqn for fqn, _ in targets]
-        if "" in planned:
-            raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
+        planned, report = plan_fqns(model, self, linear_alignment_problem, modules_to_ignore, module_filter_fn)
         if not planned:
             return report
         wanted = frozenset(planned)
@@ -369,6 +363,18 @@ class AOBackend(Backend):
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plan_fqns(model, backend, alignment_problem, modules_to_ignore, module_filter_fn):
+    """The shared conversion rules for torchao's own converters, which take a filter rather than
+    modules: (the fully-qualified names to convert, the report of every skipped candidate)."""
+    targets, report = plan_conversion(
+        model, backend.name, {nn.Linear: alignment_problem}, backend.is_converted, modules_to_ignore, module_filter_fn,
+    )
+    planned = [fqn for fqn, _ in targets]
+    if "" in planned:
+        raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
+    return planned, report
 
 
 def _is_float8_linear(module: nn.Module) -> bool:
@@ -533,12 +539,7 @@ def convert_mx(
 
     backend = AOBackend()
     backend.require()
-    targets, report = plan_conversion(
-        model, backend.name, {nn.Linear: mx_alignment_problem}, backend.is_converted, modules_to_ignore, module_filter_fn,
-    )
-    planned = [fqn for fqn, _ in targets]
-    if "" in planned:
-        raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
+    planned, report = plan_fqns(model, backend, mx_alignment_problem, modules_to_ignore, module_filter_fn)
     if not planned:
         return report
     wanted = frozenset(planned)
