@@ -8,8 +8,10 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "bootstrap: no torch found; installing torch==2.13.0"
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$PY" -c "import fp8plug, pytest, torchao, transformers" >/dev/null 2>&1; then
+# (re)install when anything is missing or `fp8plug` resolves to another checkout
+here=$(pwd)
+if ! (cd / && "$PY" -c "import os, sys, fp8plug, pytest, torchao, transformers; sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(fp8plug.__file__))) != os.path.realpath(sys.argv[1]))" "$here") >/dev/null 2>&1; then
   # torch is already present, so nothing below can pull another torch build.
-  "$PY" -m pip install -q -e ".[test]" 
+  "$PY" -m pip install -q -e ".[test]"
 fi
 "$PY" -c "import torch, accelerate, fp8plug; print(f'bootstrap: torch {torch.__version__}, accelerate {accelerate.__version__}, fp8plug {fp8plug.__version__}')"
