@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 Shape = Tuple[int, int, int]
+TIMINGS = ("queued", "synced")
 
 # LLaMa-2-70B Linear shapes at 16384 tokens (M x K x N): attention qkv, attention out, MLP
 # gate+up, MLP down, as in torchao's float8 benchmarks.
@@ -210,6 +211,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default: 5 GPU, 2 CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed iterations; the median is reported (default: 20 GPU, 5 CPU)")
+    parser.add_argument(
+        "--timing", choices=TIMINGS, default="queued",
+        help="GPU timing: queued (the GPU's own time per step, as inside a model whose host runs "
+             "ahead; default) or synced (each step alone, host time included)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--csv", dest="csv_path", default=None, metavar="PATH", help="write the results as CSV")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -225,19 +231,35 @@ def flops_fwd_bwd(m: int, k: int, n: int) -> int:
 
 
 class _Timer:
-    """Median of `repeats` runs of `step` after `warmup` runs; `reset` runs untimed before each."""
+    """Median of `repeats` runs of `step` after `warmup` runs; `reset` runs untimed before each.
 
-    def __init__(self, device: torch.device, warmup: int, repeats: int):
-        self.device, self.warmup, self.repeats = device, warmup, repeats
+    On a GPU there are two ways to time, and they answer different questions:
+      queued  every repeat is enqueued behind a GPU sleep long enough for the CPU to enqueue them
+              all, so each CUDA-event interval is the GPU's own time for one step. This is what a
+              Linear costs inside a model whose host runs ahead of the GPU (compiled blocks,
+              large batches), and what fp8plug.roofline is calibrated on. The default.
+      synced  each repeat is enqueued alone on an idle GPU, so its interval also holds the host's
+              time to issue the step: what one Linear called by itself costs.
+    """
+
+    def __init__(self, device: torch.device, warmup: int, repeats: int, timing: str = "queued"):
+        if timing not in TIMINGS:
+            raise ValueError(f"--timing: {timing!r} is not one of {', '.join(TIMINGS)}.")
+        self.device, self.warmup, self.repeats, self.timing = device, warmup, repeats, timing
 
     def __call__(self, step, reset) -> float:
+        start_wall = time.perf_counter()
         for _ in range(self.warmup):
             reset()
             step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            host_ms = (time.perf_counter() - start_wall) * 1e3 / max(self.warmup, 1)
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.repeats)]
+            if self.timing == "queued":
+                # a warm-up step's wall time bounds the host's time to enqueue one step
+                _gpu_sleep(self.device, 1.5 * host_ms * self.repeats + 5.0)
             for start, end in zip(starts, ends):
                 reset()
                 start.record()
@@ -253,6 +275,24 @@ class _Timer:
                 step()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+
+_SLEEP_CYCLES_PER_MS: Dict[int, float] = {}
+
+
+def _gpu_sleep(device: torch.device, ms: float) -> None:
+    """Keep the GPU busy for about `ms` milliseconds (torch.cuda._sleep spins for a cycle count,
+    measured once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize(device)
+        _SLEEP_CYCLES_PER_MS[index] = cycles / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(min(ms, 10_000.0) * _SLEEP_CYCLES_PER_MS[index]))
 
 
 class BenchSkip(RuntimeError):
@@ -521,7 +561,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     explicit = args.engines is not None and args.engines.strip().lower() not in ("auto", "all")
     cases = [EngineSpec(BF16)] + [s for s in specs if explicit or s.backend not in unavailable]
-    timer = _Timer(device, warmup, repeats)
+    timing = getattr(args, "timing", "queued")
+    timer = _Timer(device, warmup, repeats, timing)
     print(f"fp8plug bench on {info.describe()}: Linear forward+backward, bf16 weights and inputs, "
           f"median of {repeats} after {warmup} warm-up")
     for name, why in unavailable.items():
@@ -541,7 +582,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     meta = environment(device, info.describe())
     meta.update(warmup=warmup, repeats=repeats, modes=modes, shapes=[list(s) for s in shapes],
-                unavailable=unavailable, timing="cuda events" if device.type == "cuda" else "wall clock")
+                unavailable=unavailable,
+                timing=f"cuda events, {timing}" if device.type == "cuda" else "wall clock")
     if args.json_path:
         write_json(args.json_path, meta, rows)
         print(f"wrote {args.json_path}")

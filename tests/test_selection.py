@@ -123,3 +123,20 @@ def test_real_selection_on_this_machine():
     selection = select_backend("native")
     assert selection.name == "native"
     assert isinstance(fp8plug.get_backend("NATIVE"), type(selection.backend))
+
+
+def test_a_requested_engine_is_the_only_one_probed(monkeypatch):
+    """Probing imports an engine, and importing TransformerEngine changes the process (its own
+    cuDNN); an engine nobody asked for is never probed."""
+    probed = []
+    for name in ("msamp", "te", "ao", "native"):
+        monkeypatch.setattr(get_backend(name), "probe",
+                            lambda name=name: probed.append(name) or Probe(True, "test"))
+    selection = select_backend("native", H100)
+    assert probed == ["native"]
+    assert selection.name == "native"
+    assert not selection.verdicts["te"].checked and "'native' was requested" in selection.verdicts["te"].reason
+    assert "te      TransformerEngine: skipped" in selection.explain()
+    probed.clear()
+    select_backend(None, H100)
+    assert probed == ["msamp", "te", "ao", "native"]  # the automatic choice judges every engine

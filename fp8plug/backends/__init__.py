@@ -49,6 +49,7 @@ class Verdict:
     probe: Probe
     usable: bool
     reason: str  # why usable, or why not
+    checked: bool = True  # False: not probed, since another engine was requested
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Selection:
         lines.append(f"selection: {how}")
         for verdict in self.verdicts.values():
             mark = "chosen" if self.backend and verdict.name == self.backend.name else (
-                "usable" if verdict.usable else "no"
+                "usable" if verdict.usable else "no" if verdict.checked else "skipped"
             )
             version = f" {verdict.probe.version}" if verdict.probe.version else ""
             lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}")
@@ -90,17 +91,29 @@ def judge(name: str, device: DeviceInfo) -> Verdict:
     return Verdict(name, backend.title, probe, True, f"available, {where}")
 
 
+def not_checked(name: str, requested: str) -> Verdict:
+    """The verdict for an engine left unprobed because another one was requested."""
+    backend = get_backend(name)
+    return Verdict(name, backend.title, Probe(False, reason="not checked"), False,
+                   f"not checked: backend {requested!r} was requested", checked=False)
+
+
 def select_backend(requested: Optional[str] = None, device=None) -> Selection:
     """Choose the engine: the requested one if it can run (else an error saying why and how to
     install it), or the first usable one in the order msamp, te, ao, native.
 
-    Every engine is judged, not only the winner, so the choice can be explained.
+    In the automatic choice every engine is judged, not only the winner, so the choice can be
+    explained. A requested engine is the only one probed: probing imports an engine, and an
+    import can change the whole process (TransformerEngine loads its own cuDNN, which once cost
+    a native-engine run 3% of its speed; see te.share_torch_cudnn), so engines nobody asked for
+    are not imported.
     """
     info = device if isinstance(device, DeviceInfo) else device_info(device)
     requested = normalize_backend(requested)
     selection = Selection(None, info, requested)
     for name in BACKENDS:
-        selection.verdicts[name] = judge(name, info)
+        checked = requested is None or name == requested
+        selection.verdicts[name] = judge(name, info) if checked else not_checked(name, requested)
     if requested is not None:
         verdict = selection.verdicts[requested]
         if not verdict.usable:

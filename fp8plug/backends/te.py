@@ -310,7 +310,47 @@ class TEApi:
 
 def _te():
     """transformer_engine.pytorch, imported now (only ever called once the engine is in use)."""
+    if TE_MODULE not in sys.modules:
+        share_torch_cudnn()
     return importlib.import_module(TE_MODULE)
+
+
+def torch_cudnn_dir() -> Optional[str]:
+    """The folder of the cuDNN that torch ships with (the nvidia-cudnn wheel), or None."""
+    import glob
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if glob.glob(os.path.join(folder, "**", "libcudnn.so*"), recursive=True):
+            return folder
+    return None
+
+
+def share_torch_cudnn() -> Optional[str]:
+    """Make TransformerEngine load the cuDNN torch uses; returns the folder if it set one.
+
+    Why: at import TE loads cuDNN itself (RTLD_GLOBAL) from CUDNN_HOME, CUDNN_PATH, CUDA_HOME or
+    the system library path, before any Python wheel. Where the system has another cuDNN than the
+    one torch ships, both end up in one process. Measured on the project's H200 (system cuDNN 9.14,
+    torch's 9.19): imported first, TE's 9.14 served torch's cuDNN calls too, so torch ranked its
+    cuDNN attention below FlashAttention-2 (it prefers cuDNN only from 9.15 on) and a probe-model
+    step was about 3% slower; imported after torch had used cuDNN, TE failed to import at all
+    (undefined symbol). Pointing CUDNN_PATH at torch's own cuDNN gives one library for both.
+    A CUDNN_PATH or CUDNN_HOME the user set is left alone, and so is a machine without the wheel.
+    """
+    import os
+
+    if os.environ.get("CUDNN_PATH") or os.environ.get("CUDNN_HOME") or not torch.cuda.is_available():
+        return None
+    folder = torch_cudnn_dir()
+    if folder is not None:
+        os.environ["CUDNN_PATH"] = folder
+    return folder
 
 
 def _te_version() -> str:
@@ -502,6 +542,8 @@ class TEBackend(Backend):
 
     # availability -------------------------------------------------------------------------------
     def probe(self) -> Probe:
+        if TE_MODULE not in sys.modules:
+            share_torch_cudnn()
         return probe_import(TE_MODULE, lambda m: __import__("transformer_engine").__version__)
 
     def supports(self, device):

@@ -5,6 +5,11 @@ skipped everywhere else (CI has no GPU). Run them on the lent H100/H200 with the
 import pytest
 import torch
 
+from fp8plug.backends.te import share_torch_cudnn
+
+# Test files import TransformerEngine directly; let it load torch's cuDNN, as fp8plug does.
+share_torch_cudnn()
+
 
 def _fp8_gpu():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

@@ -384,3 +384,38 @@ def test_decoder_through_accelerator_within_5_percent_of_bf16(bf16_loss):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+CUDNN_SCRIPT = r"""
+import sys, torch
+import torch.nn.functional as F
+q = torch.randn(2, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+if sys.argv[1] == "torch-first":
+    F.scaled_dot_product_attention(q, q, q, is_causal=True)  # torch loads and uses its cuDNN first
+from fp8plug.backends import get_backend
+probe = get_backend("te").probe()
+assert probe.available, probe.reason
+choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+print(torch.backends.cudnn.version(), torch._C._cudnn.getCompileVersion(), int(choice),
+      int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION))
+"""
+
+
+@pytest.mark.parametrize("order", ["torch-first", "te-first"])
+def test_te_and_torch_share_one_cudnn(order, monkeypatch):
+    """Importing TE through fp8plug, before or after torch used cuDNN, leaves one cuDNN in the
+    process (torch's), TE importable, and torch's cuDNN attention first in line (a system cuDNN
+    older than torch's once made TE unimportable, or torch fall back to FlashAttention-2)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDNN_PATH", "CUDNN_HOME")}
+    out = subprocess.run([sys.executable, "-c", CUDNN_SCRIPT, order], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runtime, compiled, choice, cudnn = out.stdout.split()[-4:]
+    compiled_version = eval(compiled)  # (major, minor, patch)
+    major, minor = int(runtime) // 10000, int(runtime) // 100 % 100
+    assert (major, minor) == tuple(compiled_version[:2]), f"torch built with {compiled}, runs cuDNN {runtime}"
+    if int(runtime) > 91500 and torch.cuda.get_device_capability() in ((9, 0), (10, 0)):
+        assert choice == cudnn, "torch prefers cuDNN attention here from cuDNN 9.15.1 on"

@@ -1,0 +1,57 @@
+"""te.share_torch_cudnn: TransformerEngine is pointed at torch's cuDNN, never over the user's choice.
+
+The effect itself (one cuDNN in the process, cuDNN attention kept) needs a GPU and TE; it is
+checked in tests/gpu/test_te.py. Here: when the variable is set, and when it is left alone."""
+
+import os
+
+import pytest
+
+from fp8plug.backends import te as te_backend
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv("CUDNN_PATH", raising=False)
+    monkeypatch.delenv("CUDNN_HOME", raising=False)
+    monkeypatch.setattr(te_backend.torch.cuda, "is_available", lambda: True)
+    return monkeypatch
+
+
+def test_points_te_at_torchs_cudnn(clean_env, tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libcudnn.so.9").write_bytes(b"")
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: str(tmp_path))
+    assert te_backend.share_torch_cudnn() == str(tmp_path)
+    assert os.environ["CUDNN_PATH"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("variable", ["CUDNN_PATH", "CUDNN_HOME"])
+def test_a_users_cudnn_choice_is_kept(clean_env, variable):
+    clean_env.setenv(variable, "/opt/my-cudnn")
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: "/elsewhere")
+    assert te_backend.share_torch_cudnn() is None
+    assert os.environ[variable] == "/opt/my-cudnn"
+    assert os.environ.get("CUDNN_PATH") in (None, "/opt/my-cudnn")
+
+
+def test_nothing_changes_without_torchs_cudnn_or_a_gpu(clean_env):
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: None)
+    assert te_backend.share_torch_cudnn() is None and "CUDNN_PATH" not in os.environ
+    clean_env.setattr(te_backend.torch.cuda, "is_available", lambda: False)
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: "/somewhere")
+    assert te_backend.share_torch_cudnn() is None and "CUDNN_PATH" not in os.environ
+
+
+def test_torch_cudnn_dir_finds_the_wheel_folder(monkeypatch, tmp_path):
+    folder = tmp_path / "nvidia" / "cudnn"
+    (folder / "lib").mkdir(parents=True)
+    (tmp_path / "nvidia" / "__init__.py").write_text("")
+    (folder / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+    for name in [n for n in sys.modules if n == "nvidia" or n.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert te_backend.torch_cudnn_dir() is None  # the folder is there, the library is not
+    (folder / "lib" / "libcudnn.so.9").write_bytes(b"")
+    assert te_backend.torch_cudnn_dir() == str(folder)
