@@ -49,7 +49,10 @@ SWEEP_SHAPES: List[Shape] = [
     (m, k, n)
     for m in (2048, 16384)
     for k, n in ((1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 8192), (8192, 1024))
-] + [(16384, 128, 8192), (16384, 8192, 128)]
+] + [(16384, 128, 8192), (16384, 8192, 128)] + [
+    # the Linears of train_step.py's probe (d=4096, ffn 16384) and 1b (d=2048, ffn 8192) models
+    (8192, k, n) for k, n in ((4096, 4096), (4096, 16384), (16384, 4096), (2048, 2048), (2048, 8192), (8192, 2048))
+]
 SHAPE_PRESETS: Dict[str, List[Shape]] = {
     "llama70b": LLAMA70B_SHAPES,
     "tiny": CPU_SHAPES,

@@ -3,6 +3,7 @@
 The effect itself (one cuDNN in the process, cuDNN attention kept) needs a GPU and TE; it is
 checked in tests/gpu/test_te.py. Here: when the variable is set, and when it is left alone."""
 
+import ctypes
 import os
 
 import pytest
@@ -19,11 +20,24 @@ def clean_env(monkeypatch):
 
 
 def test_points_te_at_torchs_cudnn(clean_env, tmp_path):
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "libcudnn.so.9").write_bytes(b"")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name in ("libcudnn_ops.so.9", "libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_cnn.so.9"):
+        (lib / name).write_bytes(b"")
+    loaded = []
+    clean_env.setattr(ctypes, "CDLL", lambda path, mode=0: loaded.append(os.path.basename(path)))
     clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: str(tmp_path))
     assert te_backend.share_torch_cudnn() == str(tmp_path)
     assert os.environ["CUDNN_PATH"] == str(tmp_path)
+    # every library of torch's cuDNN is loaded, the dispatcher and graph library first
+    assert loaded == ["libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_cnn.so.9", "libcudnn_ops.so.9"]
+
+
+def test_a_cudnn_that_does_not_load_changes_nothing(clean_env, tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libcudnn.so.9").write_bytes(b"not a library")
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: str(tmp_path))
+    assert te_backend.share_torch_cudnn() is None and "CUDNN_PATH" not in os.environ
 
 
 @pytest.mark.parametrize("variable", ["CUDNN_PATH", "CUDNN_HOME"])

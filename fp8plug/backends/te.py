@@ -332,24 +332,38 @@ def torch_cudnn_dir() -> Optional[str]:
 
 
 def share_torch_cudnn() -> Optional[str]:
-    """Make TransformerEngine load the cuDNN torch uses; returns the folder if it set one.
+    """Make TransformerEngine use the cuDNN torch uses; returns that folder if it acted.
 
-    Why: at import TE loads cuDNN itself (RTLD_GLOBAL) from CUDNN_HOME, CUDNN_PATH, CUDA_HOME or
-    the system library path, before any Python wheel. Where the system has another cuDNN than the
-    one torch ships, both end up in one process. Measured on the project's H200 (system cuDNN 9.14,
-    torch's 9.19): imported first, TE's 9.14 served torch's cuDNN calls too, so torch ranked its
-    cuDNN attention below FlashAttention-2 (it prefers cuDNN only from 9.15 on) and a probe-model
-    step was about 3% slower; imported after torch had used cuDNN, TE failed to import at all
-    (undefined symbol). Pointing CUDNN_PATH at torch's own cuDNN gives one library for both.
-    A CUDNN_PATH or CUDNN_HOME the user set is left alone, and so is a machine without the wheel.
+    Why: at import TE loads cuDNN itself (RTLD_GLOBAL), from CUDNN_HOME, CUDNN_PATH, CUDA_HOME or
+    the system library path before any Python wheel, and its libraries name cuDNN's sub-libraries
+    as dependencies, which the loader takes from the system if torch has not loaded them yet.
+    Where the system has another cuDNN than the one torch ships, both end up in one process.
+    Measured on the project's H200 (system cuDNN 9.14, torch's 9.19): imported first, TE's 9.14
+    served torch's cuDNN calls too, so torch ranked cuDNN attention below FlashAttention-2 (it
+    prefers cuDNN only from 9.15 on) and a probe-model step was 3% slower; imported after torch
+    had used cuDNN, TE did not import at all (undefined symbol). So, before TE is imported, every
+    library of torch's cuDNN is loaded (as torch's own preloading does) and CUDNN_PATH points at
+    it: each later lookup finds the copy already loaded. A CUDNN_PATH or CUDNN_HOME the user set
+    is left alone, and so is a machine without the wheel or without a GPU.
     """
+    import ctypes
+    import glob
     import os
 
     if os.environ.get("CUDNN_PATH") or os.environ.get("CUDNN_HOME") or not torch.cuda.is_available():
         return None
     folder = torch_cudnn_dir()
-    if folder is not None:
-        os.environ["CUDNN_PATH"] = folder
+    if folder is None:
+        return None
+    libraries = sorted(glob.glob(os.path.join(folder, "lib", "libcudnn*.so.*[0-9]")))
+    # the dispatcher and the graph library first: the others link against them
+    libraries.sort(key=lambda path: (not os.path.basename(path).startswith(("libcudnn.so", "libcudnn_graph")), path))
+    for library in libraries:
+        try:
+            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            return None  # a broken wheel: leave cuDNN to TE and torch as they are
+    os.environ["CUDNN_PATH"] = folder
     return folder
 
 
