@@ -57,7 +57,9 @@ def main(argv=None) -> int:
 
     fp8_model = copy.deepcopy(base)
     backend = None if args.backend == "auto" else args.backend
-    recipe = fp8plug.FP8RecipeKwargs(backend=backend, modules_to_ignore=["lm_head"])
+    # auto_filter=False: on an H100/H200 the default filter would keep layers this small in bf16,
+    # where they are faster; the demo wants every Linear in FP8 to compare the losses.
+    recipe = fp8plug.FP8RecipeKwargs(backend=backend, modules_to_ignore=["lm_head"], auto_filter=False)
     selection = fp8plug.select_backend(recipe.backend, device)
     report = fp8plug.convert_model(fp8_model, recipe=recipe, backend=selection.name)
     fp8plug.apply_fp8_autowrap(fp8_model, recipe, backend=selection.backend)

@@ -36,6 +36,7 @@ from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_stat
 from .convert import ConversionError, ConversionReport, wrapped_kind
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
+from .roofline import with_auto_filter
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
 _ACCELERATE_FP8_HANDLERS = tuple(
@@ -184,6 +185,7 @@ class Accelerator(accelerate.Accelerator):
             # `accelerate launch` exports this as true by default; it only means something under FSDP2
             recipe = copy.copy(recipe)
             recipe.enable_fsdp_float8_all_gather = False
+        recipe = with_auto_filter(recipe, self.fp8_engine.name, self.fp8_selection.device)
         with torch.no_grad():
             report = self.fp8_engine.convert(model, recipe)
         after = dict(model.named_parameters(remove_duplicate=False))

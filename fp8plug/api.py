@@ -10,6 +10,7 @@ from torch import nn
 from .backends import get_backend, select_backend
 from .convert import ConversionReport
 from .recipe import BACKENDS, FP8RecipeKwargs
+from .roofline import with_auto_filter
 
 
 def convert_model(
@@ -33,7 +34,9 @@ def convert_model(
         unconvert_model(model)
         return None
     recipe = recipe or FP8RecipeKwargs(backend=backend)
-    engine = select_backend(backend or recipe.backend).backend
+    selection = select_backend(backend or recipe.backend)
+    engine = selection.backend
+    recipe = with_auto_filter(recipe, engine.name, selection.device)
     if engine.name == "te":
         return engine.convert(model, recipe, convert_linear=_convert_linear, convert_norm=_convert_ln)
     if not _convert_linear:

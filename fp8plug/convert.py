@@ -4,7 +4,8 @@ The rules: a module must be of a kind the engine converts (nn.Linear exactly, an
 the norms); an nn.Linear needs in and out features divisible by 16 (FP8 GEMMs need aligned
 operands); `modules_to_ignore` names modules by fully-qualified name (a name that matches nothing
 is an error, since it is almost always a typo); `module_filter_fn(module, fqn)` may veto any
-module. A skipped module never stops its siblings from converting.
+module (a filter with a `skip_reason(fqn)` method, like the automatic roofline filter, words the
+reason itself). A skipped module never stops its siblings from converting.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def plan_conversion(
             report.skipped[fqn] = problem
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
-            report.skipped[fqn] = "module_filter_fn returned False"
+            reason = getattr(module_filter_fn, "skip_reason", None)  # e.g. roofline.SpeedFilter
+            report.skipped[fqn] = reason(fqn) if reason else "module_filter_fn returned False"
             continue
         targets.append((fqn, module))
     return targets, report

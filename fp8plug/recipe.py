@@ -46,6 +46,8 @@ DEFAULTS = {
     "pad_inner_dim": False,
     "optimizer_states": None,
     "scaling": None,
+    "auto_filter": None,
+    "auto_filter_tokens": None,
 }
 
 # field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
@@ -66,6 +68,8 @@ ENV_NAMES = {
     # `fp8_config:` section as ACCELERATE_FP8_<KEY>; FP8PLUG_* is for setting them by hand.
     "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", "ACCELERATE_FP8_OPTIMIZER_STATES"),
     "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
+    "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
+    "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
 }
 MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
 OVERRIDE_ENV_NAMES = (
@@ -164,6 +168,12 @@ class FP8RecipeKwargs(KwargsHandler):
         optimizer_states: low-precision Adam/AdamW states through torchao (fp8plug.optim):
             "fp8", "8bit" or "4bit"; None (default) leaves the optimizer as given. Environment:
             FP8PLUG_OPTIMIZER_STATES. Not with backend="msamp" (its opt_level O2 does this).
+        auto_filter: leave in bf16 the Linears where FP8 is predicted slower than bf16
+            (fp8plug.roofline, calibrated on an H200). None (default): on for native, ao and te at
+            their default scalings on a compute capability 9.0 GPU, off elsewhere; True: on (an
+            error where no calibration exists); False: off. Environment: FP8PLUG_AUTO_FILTER.
+        auto_filter_tokens: the tokens per GPU per step (batch x sequence length) the filter
+            assumes; default 8192. Environment: FP8PLUG_AUTO_FILTER_TOKENS.
     """
 
     backend: Optional[str] = None
@@ -182,6 +192,8 @@ class FP8RecipeKwargs(KwargsHandler):
     pad_inner_dim: Optional[bool] = None
     ao_config: Optional[object] = None
     optimizer_states: Optional[str] = None
+    auto_filter: Optional[bool] = None
+    auto_filter_tokens: Optional[int] = None
 
     def __post_init__(self):
         self._resolve(os.environ)
@@ -241,6 +253,11 @@ class FP8RecipeKwargs(KwargsHandler):
                     f"not {self.backend!r}; drop ao_config or set backend='ao'."
                 )
             self.backend = "ao"
+        if self.auto_filter is not None:
+            text = str(self.auto_filter).strip().lower()
+            self.auto_filter = None if text in ("auto", "none") else parse_bool(self.auto_filter, "FP8RecipeKwargs.auto_filter")
+        if self.auto_filter_tokens is not None:
+            self.auto_filter_tokens = _integer("auto_filter_tokens", self.auto_filter_tokens, minimum=1)
         self.optimizer_states = _optimizer_states(self.optimizer_states)
         if self.optimizer_states is not None and self.backend == "msamp":
             raise ValueError(

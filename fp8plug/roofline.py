@@ -1,21 +1,27 @@
-"""An opt-in automatic layer filter: keep in bf16 the Linears where FP8 would be slower.
+"""The automatic layer filter: keep in bf16 the Linears where FP8 would be slower.
 
 Why: FP8 halves GEMM time but adds casts (amax, scale, cast, transpose) whose cost grows with
-M*K + K*N + M*N, not with M*K*N, plus a fixed per-layer overhead. For small K or N the casts and
-the overhead outweigh the GEMM saving and an FP8 layer is slower than bf16. A roofline-style cost
+M*K + K*N + M*N, not with M*K*N, plus a fixed per-layer cost. For small K or N the casts and
+that cost outweigh the GEMM saving and an FP8 layer is slower than bf16. A roofline-style cost
 model says which side of that line a layer falls on:
 
     t(M, K, N) = sum over the 3 GEMMs of max(flops / peak, bytes / bandwidth)
                  + cast bytes / bandwidth   (FP8 only)
                  + overhead
 
-for bf16 and for each FP8 engine, with peak, bandwidth and overhead fitted to `fp8plug bench`
-measurements by `calibrate`. Use it through FP8RecipeKwargs:
+for bf16 and for each FP8 engine, with peak, bandwidth and overhead fitted by `calibrate` to
+`fp8plug bench --shapes sweep` GPU times (queued timing: the GPU's own time, as inside a model).
+fp8plug ships the fit from an H200 (`SM90`, used on compute capability 9.0: H100 and H200).
 
-    from fp8plug.roofline import calibrate, load_bench, make_module_filter
-    constants = calibrate(load_bench("bench.json"))          # optional; defaults otherwise
-    keep_fast = make_module_filter("native", tokens=batch * seq_len, constants=constants)
-    FP8RecipeKwargs(backend="native", module_filter_fn=keep_fast)
+It is on by default there: FP8RecipeKwargs(auto_filter=None) applies it on an sm_90 GPU for
+native, ao and te (tokens: `auto_filter_tokens`, default 8192 per GPU per step), and nowhere
+else; auto_filter=False turns it off, True asks for it (an error where no constants exist).
+Every Linear it keeps in bf16 is in the ConversionReport with its predicted speed-up. By hand:
+
+    from fp8plug.roofline import explain, make_module_filter
+    print(explain(model, "native", tokens=batch * seq_len))
+    FP8RecipeKwargs(backend="native", auto_filter=False,
+                    module_filter_fn=make_module_filter("native", tokens=batch * seq_len))
 
 The model is deliberately small: it only has to rank bf16 against FP8 for one layer at a time.
 """
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -62,18 +67,22 @@ class Costs:
                    str(data.get("note", "")))
 
 
-_PLACEHOLDER = "PLACEHOLDER H100 SXM guess, compiled mode; not calibrated: run `fp8plug bench` and calibrate()"
-# PLACEHOLDERS, NOT MEASUREMENTS: rough H100 SXM figures (about 75% of datasheet bf16/FP8 peak,
-# about 85% of 3.35 TB/s HBM3, a guessed fixed cost). They rank FP8 against bf16 sensibly at the
-# extremes (at 16384 tokens: K = N = 8192 converts at about 1.6x; K = N = 1024, or K or N <= 512,
-# stays bf16) but have not been fitted to any measurement. Replace them with calibrate() on `fp8plug bench --shapes sweep` JSON.
-DEFAULT_H100: Dict[str, Costs] = {
-    BF16_KEY: Costs(peak_tflops=750.0, bandwidth_gbs=3000.0, overhead_us=40.0, note=_PLACEHOLDER),
-    "native": Costs(peak_tflops=1400.0, bandwidth_gbs=2800.0, overhead_us=100.0, note=_PLACEHOLDER),
-    "ao": Costs(peak_tflops=1400.0, bandwidth_gbs=2800.0, overhead_us=100.0, note=_PLACEHOLDER),
-    "te": Costs(peak_tflops=1400.0, bandwidth_gbs=2600.0, overhead_us=150.0, note=_PLACEHOLDER),
-    "msamp": Costs(peak_tflops=1200.0, bandwidth_gbs=2000.0, overhead_us=300.0, note=_PLACEHOLDER),
+_H200 = ("calibrated on one H200 (torch 2.11, TE 2.20.2, torchao 0.18), fp8plug bench --shapes sweep, "
+         "queued timing, 20 shapes; rms relative error {err}; docs/results/h200/bench_sweep_queued*.json")
+# Measured, not guessed: fitted by calibrate() to docs/results/h200/bench_sweep_queued.json (bf16,
+# native and ao compiled) and bench_sweep_queued_te_eager.json (te; TE runs outside torch.compile).
+# Used for every compute capability 9.0 GPU (H100 and H200 share the tensor cores; the H100's lower
+# bandwidth makes both bf16 and FP8 casts slower, so the ranking barely moves).
+SM90: Dict[str, Costs] = {
+    BF16_KEY: Costs(peak_tflops=778.0, bandwidth_gbs=3564.0, overhead_us=12.3, note=_H200.format(err="2.9%")),
+    "native": Costs(peak_tflops=1400.0, bandwidth_gbs=3150.0, overhead_us=62.3, note=_H200.format(err="4.5%")),
+    "ao": Costs(peak_tflops=1453.0, bandwidth_gbs=2483.0, overhead_us=37.7, note=_H200.format(err="3.7%")),
+    "te": Costs(peak_tflops=1493.0, bandwidth_gbs=4280.0, overhead_us=43.4, note=_H200.format(err="5.2%")),
 }
+# each engine's default scaling (native delayed, ao tensorwise, te delayed) is what was measured
+SM90.update({"native:delayed": SM90["native"], "ao:tensorwise": SM90["ao"], "te:delayed": SM90["te"]})
+CALIBRATED: Dict[Tuple[int, int], Dict[str, Costs]] = {(9, 0): SM90}
+DEFAULT_TOKENS = 8192  # tokens per GPU per step the automatic filter assumes (e.g. 4 x 2048)
 
 
 # --- the cost model ---------------------------------------------------------------------------------
@@ -113,10 +122,53 @@ def _lookup(constants: Mapping[str, Costs], backend: str, scaling: Optional[str]
 def predicted_speedup(m: int, k: int, n: int, backend: str, scaling: Optional[str] = None,
                       constants: Optional[Mapping[str, Costs]] = None) -> float:
     """bf16 time / FP8 time for one Linear forward+backward (> 1: FP8 is faster)."""
-    constants = dict(DEFAULT_H100, **(constants or {}))
+    constants = dict(SM90, **(constants or {}))
     backend = normalize_backend(backend)
     bf16 = predict_ms(m, k, n, constants[BF16_KEY], fp8=False)
     return bf16 / predict_ms(m, k, n, _lookup(constants, backend, scaling), fp8=True)
+
+
+class SpeedFilter:
+    """A `module_filter_fn(module, fqn)` that converts an nn.Linear only where the cost model
+    predicts FP8 at least `min_speedup` times as fast as bf16 at `tokens` tokens, after an optional
+    `user_fn` (the user's own module_filter_fn) has accepted it. Other modules are left to the
+    engine. `decisions` holds fqn -> predicted speed-up; `skip_reason(fqn)` says why a module was
+    refused (the conversion report shows it)."""
+
+    def __init__(self, backend: str, tokens: int, bf16: Costs, fp8: Costs, min_speedup: float = 1.0,
+                 user_fn: Optional[Callable[[nn.Module, str], bool]] = None, source: str = ""):
+        self.backend, self.tokens, self.bf16, self.fp8 = backend, tokens, bf16, fp8
+        self.min_speedup, self.user_fn, self.source = min_speedup, user_fn, source
+        self.decisions: Dict[str, float] = {}
+        self._refused_by_user: set = set()
+
+    def __call__(self, module: nn.Module, fqn: str) -> bool:
+        if self.user_fn is not None and not self.user_fn(module, fqn):
+            self._refused_by_user.add(fqn)
+            return False
+        if not isinstance(module, nn.Linear):
+            return True
+        k, n = module.in_features, module.out_features
+        speedup = predict_ms(self.tokens, k, n, self.bf16, fp8=False) / predict_ms(self.tokens, k, n, self.fp8, fp8=True)
+        self.decisions[fqn] = speedup
+        return speedup >= self.min_speedup
+
+    def skip_reason(self, fqn: str) -> str:
+        if fqn in self._refused_by_user:
+            return "module_filter_fn returned False"
+        return (f"{self.source or 'roofline filter'}: {self.backend} FP8 predicted {self.decisions.get(fqn, 0):.2f}x "
+                f"bf16's speed at {self.tokens} tokens (needs {self.min_speedup:g}x)")
+
+    def __repr__(self) -> str:
+        return f"SpeedFilter({self.backend!r}, tokens={self.tokens}, min_speedup={self.min_speedup})"
+
+
+def _check_tokens(tokens, where: str) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(
+            f"{where}: tokens must be a positive integer (batch size x sequence length per GPU), got {tokens!r}."
+        )
+    return tokens
 
 
 def make_module_filter(
@@ -126,50 +178,67 @@ def make_module_filter(
     scaling: Optional[str] = None,
     constants: Optional[Mapping[str, Costs]] = None,
     min_speedup: float = 1.0,
-) -> Callable[[nn.Module, str], bool]:
+) -> SpeedFilter:
     """A `module_filter_fn(module, fqn)` for FP8RecipeKwargs that converts an nn.Linear only if the
     cost model predicts FP8 at least `min_speedup` times faster than bf16 for `backend`.
 
     tokens: the token count M each Linear sees per step on one GPU (batch size x sequence length).
-    constants: name -> Costs, e.g. from calibrate(); missing names fall back to DEFAULT_H100
-    (placeholders). Modules other than nn.Linear are always accepted (the engine decides).
-    The returned function records its verdicts in `fn.decisions` (fqn -> predicted speed-up).
+    constants: name -> Costs, e.g. from calibrate() on your GPU; missing names fall back to SM90
+    (measured on an H200). Modules other than nn.Linear are always accepted (the engine decides).
+    The returned filter records its verdicts in `.decisions` (fqn -> predicted speed-up).
     """
     backend = normalize_backend(backend)
     if backend is None:
         raise ValueError("make_module_filter: name the engine (native, ao, te or msamp); the model is per engine.")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-        raise ValueError(
-            f"make_module_filter: tokens must be a positive integer (batch size x sequence length per "
-            f"GPU), got {tokens!r}."
-        )
+    _check_tokens(tokens, "make_module_filter")
     if not min_speedup > 0:
         raise ValueError(f"make_module_filter: min_speedup must be > 0, got {min_speedup!r}.")
-    table = dict(DEFAULT_H100, **(constants or {}))
-    bf16 = table[BF16_KEY]
-    fp8 = _lookup(table, backend, scaling)
-    guessed = [name for name, c in ((BF16_KEY, bf16), (backend, fp8)) if c.note.startswith("PLACEHOLDER")]
-    if guessed:
-        warnings.warn(
-            f"roofline: the constants for {' and '.join(guessed)} are placeholders (H100 guesses, not "
-            "measurements); calibrate them: fp8plug.roofline.calibrate(load_bench('bench.json')) on "
-            "`fp8plug bench --shapes sweep --json bench.json` from your GPU.",
-            stacklevel=2,
-        )
-    decisions: Dict[str, float] = {}
+    table = dict(SM90, **(constants or {}))
+    return SpeedFilter(backend, tokens, table[BF16_KEY], _lookup(table, backend, scaling), min_speedup)
 
-    def module_filter_fn(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
-            return True
-        k, n = module.in_features, module.out_features
-        speedup = predict_ms(tokens, k, n, bf16, fp8=False) / predict_ms(tokens, k, n, fp8, fp8=True)
-        decisions[fqn] = speedup
-        return speedup >= min_speedup
 
-    module_filter_fn.decisions = decisions
-    module_filter_fn.__doc__ = (f"roofline filter: {backend} FP8 where predicted >= {min_speedup}x over bf16 "
-                                f"at {tokens} tokens")
-    return module_filter_fn
+def auto_filter(recipe, backend: str, device) -> Optional[SpeedFilter]:
+    """The filter FP8RecipeKwargs.auto_filter asks for on `device` (a hardware.DeviceInfo), combined
+    with the recipe's own module_filter_fn; None where it does not apply.
+
+    auto_filter None (the default): on for an engine with calibrated constants on a GPU whose
+    compute capability has them (9.0), off elsewhere: without a measurement there is nothing to
+    decide with, and on the CPU FP8 is emulation anyway. True: on, or a ValueError saying why it
+    cannot be. False: off.
+    """
+    wanted = getattr(recipe, "auto_filter", None)
+    if wanted is False:
+        return None
+    table = CALIBRATED.get(getattr(device, "capability", None)) if getattr(device, "type", None) == "cuda" else None
+    scaling = getattr(recipe, "scaling", None)
+    # only what was measured: another scaling of the same engine can be much slower (te block)
+    fp8 = (table or {}).get(f"{backend}:{scaling}" if scaling else backend)
+    if fp8 is None:
+        if wanted:
+            where = device.describe() if hasattr(device, "describe") else str(device)
+            raise ValueError(
+                f"FP8RecipeKwargs.auto_filter: no calibrated cost model for engine {backend!r}"
+                f"{f' scaling {scaling!r}' if scaling else ''} on {where} (fp8plug has one for compute "
+                "capability 9.0: native, ao, te at their default scalings). Set auto_filter=False and pass "
+                "module_filter_fn=fp8plug.roofline.make_module_filter(...) with constants from calibrate()."
+            )
+        return None
+    tokens = _check_tokens(getattr(recipe, "auto_filter_tokens", None) or DEFAULT_TOKENS, "FP8RecipeKwargs.auto_filter_tokens")
+    return SpeedFilter(backend, tokens, table[BF16_KEY], fp8, 1.0, user_fn=getattr(recipe, "module_filter_fn", None),
+                       source="auto_filter")
+
+
+def with_auto_filter(recipe, backend: str, device):
+    """`recipe`, or a shallow copy whose module_filter_fn is the automatic filter (which still asks
+    the recipe's own module_filter_fn first): what the engines convert with."""
+    import copy
+
+    speed_filter = auto_filter(recipe, backend, device)
+    if speed_filter is None:
+        return recipe
+    recipe = copy.copy(recipe)
+    recipe.module_filter_fn = speed_filter
+    return recipe
 
 
 # --- calibration ----------------------------------------------------------------------------------
@@ -292,6 +361,7 @@ def explain(model: nn.Module, backend: str, tokens: int, *, scaling: Optional[st
 
 
 __all__ = [
-    "CAST_BYTES_PER_ELEMENT", "Costs", "DEFAULT_H100", "calibrate", "explain", "load_bench",
-    "load_constants", "make_module_filter", "predict_ms", "predicted_speedup", "save_constants",
+    "CALIBRATED", "CAST_BYTES_PER_ELEMENT", "Costs", "DEFAULT_TOKENS", "SM90", "SpeedFilter", "auto_filter",
+    "calibrate", "explain", "load_bench", "load_constants", "make_module_filter", "predict_ms",
+    "predicted_speedup", "save_constants", "with_auto_filter",
 ]

@@ -7,10 +7,13 @@ import warnings
 import pytest
 from torch import nn
 
+import fp8plug
 from fp8plug import FP8RecipeKwargs, get_backend
 from fp8plug.bench import SWEEP_SHAPES, write_json
 from fp8plug.roofline import (
-    DEFAULT_H100,
+    SM90,
+    auto_filter,
+    with_auto_filter,
     Costs,
     calibrate,
     explain,
@@ -46,6 +49,13 @@ def test_default_constants_accept_70b_shapes_and_reject_small_k_or_n(backend):
     assert keep.decisions["small_64_8192"] < 1.0
 
 
+def test_skipped_layers_say_why_in_the_report():
+    model = nn.Sequential(_linear(8192, 8192), _linear(8192, 64))
+    report = get_backend("native").convert(model, FP8RecipeKwargs(backend="native", module_filter_fn=_filter()))
+    assert report.converted == ["0"]
+    assert "native FP8 predicted 0." in report.skipped["1"] and "at 16384 tokens" in report.skipped["1"]
+
+
 def test_non_linear_modules_are_left_to_the_engine():
     keep = _filter()
     assert keep(nn.LayerNorm(16), "norm") is True
@@ -63,10 +73,25 @@ def test_min_speedup_raises_the_bar():
     assert not _filter(min_speedup=s * 1.01)(_linear(4096, 4096), "x")
 
 
-def test_placeholder_constants_warn():
-    with pytest.warns(UserWarning, match="placeholder"):
-        make_module_filter("native", TOKENS)
-    assert all(c.note.startswith("PLACEHOLDER") for c in DEFAULT_H100.values())
+def test_shipped_constants_are_measurements_that_rank_the_h200_sweep():
+    """SM90 was fitted to the H200 sweep: within 15% of every measured speed-up, and on the right
+    side of 1.0 wherever the measurement is at least 8% away from break-even."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200"
+    assert all(c.note.startswith("calibrated on one H200") for c in SM90.values())
+    checked = 0
+    for name in ("bench_sweep_queued.json", "bench_sweep_queued_te_eager.json"):
+        for row in json.loads((results / name).read_text())["rows"]:
+            if not row.get("backend") or row.get("speedup") is None:
+                continue
+            predicted = predicted_speedup(row["M"], row["K"], row["N"], row["backend"])
+            if abs(row["speedup"] - 1) >= 0.08:
+                assert (predicted > 1) == (row["speedup"] > 1), (row["shape"], row["engine"], predicted, row["speedup"])
+            assert _close(predicted, row["speedup"], 0.15), (row["shape"], row["engine"], predicted, row["speedup"])
+            checked += 1
+    assert checked >= 50
 
 
 @pytest.mark.parametrize("tokens", [0, -5, 1.5, True, "16384", None])
@@ -88,7 +113,7 @@ def test_filter_through_fp8_recipe_kwargs_and_native_conversion():
     recipe = FP8RecipeKwargs(backend="native", module_filter_fn=keep)
     report = get_backend("native").convert(model, recipe)
     assert report.converted == ["0", "2"]
-    assert report.skipped == {"1": "module_filter_fn returned False"}
+    assert list(report.skipped) == ["1"] and "predicted" in report.skipped["1"]
     assert set(keep.decisions) == {"0", "1", "2"}
 
 
@@ -183,3 +208,92 @@ def test_bench_json_round_trip_and_constants_file(tmp_path):
     assert load_constants(str(tmp_path / "c.json")) == fitted
     with pytest.raises(ValueError, match="fp8plug bench JSON"):
         calibrate({"meta": {}})
+
+
+# --- the automatic filter (FP8RecipeKwargs.auto_filter) ---------------------------------------------
+
+from fp8plug.hardware import DeviceInfo  # noqa: E402
+
+H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+ADA = DeviceInfo("cuda", "NVIDIA L4", (8, 9))
+CPU = DeviceInfo("cpu", "x86_64")
+
+
+def _small_and_big():
+    return nn.Sequential(nn.Linear(4096, 4096, bias=False, device="meta"), nn.Linear(256, 256, bias=False, device="meta"))
+
+
+@pytest.fixture(autouse=False)
+def no_env(monkeypatch):
+    for name in ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER", "FP8PLUG_AUTO_FILTER_TOKENS",
+                 "ACCELERATE_FP8_AUTO_FILTER_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("backend", ["native", "ao", "te"])
+def test_auto_filter_is_on_by_default_on_sm90_only(no_env, backend):
+    recipe = FP8RecipeKwargs(backend=backend)
+    speed_filter = auto_filter(recipe, backend, H100)
+    assert speed_filter is not None and speed_filter.tokens == 8192
+    assert speed_filter(_linear(4096, 4096), "big") and not speed_filter(_linear(256, 256), "small")
+    assert auto_filter(recipe, backend, CPU) is None
+    assert auto_filter(recipe, backend, ADA) is None
+    assert auto_filter(FP8RecipeKwargs(backend=backend, auto_filter=False), backend, H100) is None
+
+
+def test_auto_filter_only_where_measured(no_env):
+    assert auto_filter(FP8RecipeKwargs(backend="te", scaling="block"), "te", H100) is None
+    assert auto_filter(FP8RecipeKwargs(backend="msamp"), "msamp", H100) is None
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.auto_filter: no calibrated cost model for engine 'te' scaling 'block'"):
+        auto_filter(FP8RecipeKwargs(backend="te", scaling="block", auto_filter=True), "te", H100)
+    with pytest.raises(ValueError, match="auto_filter.*CPU"):
+        auto_filter(FP8RecipeKwargs(backend="native", auto_filter=True), "native", CPU)
+
+
+def test_auto_filter_reads_the_environment_and_tokens(no_env):
+    no_env.setenv("FP8PLUG_AUTO_FILTER", "false")
+    assert FP8RecipeKwargs().auto_filter is False
+    no_env.setenv("FP8PLUG_AUTO_FILTER", "auto")
+    no_env.setenv("FP8PLUG_AUTO_FILTER_TOKENS", "2048")
+    recipe = FP8RecipeKwargs(backend="native")
+    assert recipe.auto_filter is None and recipe.auto_filter_tokens == 2048
+    # fewer tokens: the casts weigh more, and a mid-sized layer drops out
+    assert auto_filter(FP8RecipeKwargs(backend="native", auto_filter_tokens=65536), "native", H100)(_linear(2048, 2048), "x")
+    assert not auto_filter(recipe, "native", H100)(_linear(2048, 2048), "x")
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.auto_filter_tokens"):
+        FP8RecipeKwargs(auto_filter_tokens=0)
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.auto_filter"):
+        FP8RecipeKwargs(auto_filter="sometimes")
+
+
+def test_auto_filter_asks_the_users_filter_first_and_reports_both(no_env):
+    model = nn.Sequential(_linear(4096, 4096), _linear(256, 256), _linear(4096, 4096))
+    recipe = FP8RecipeKwargs(backend="native", module_filter_fn=lambda m, fqn: fqn != "2")
+    filtered = with_auto_filter(recipe, "native", H100)
+    assert filtered is not recipe and recipe.module_filter_fn is not filtered.module_filter_fn
+    assert filtered.is_explicit("backend") and not filtered.is_explicit("auto_filter")
+    report = get_backend("native").convert(model, filtered)
+    assert report.converted == ["0"]
+    assert report.skipped["2"] == "module_filter_fn returned False"
+    assert report.skipped["1"].startswith("auto_filter: native FP8 predicted")
+    assert with_auto_filter(recipe, "native", CPU) is recipe
+
+
+def test_convert_model_applies_the_default_filter_on_sm90(no_env, monkeypatch):
+    import fp8plug.api as api
+
+    real = api.select_backend
+
+    def on_h100(requested=None, device=None):
+        selection = real(requested, device)
+        selection.device = H100
+        return selection
+
+    model = _small_and_big()
+    monkeypatch.setattr(api, "select_backend", on_h100)
+    report = fp8plug.convert_model(model, backend="native")
+    assert report.converted == ["0"] and "auto_filter" in report.skipped["1"]
+    monkeypatch.setattr(api, "select_backend", real)
+    report = fp8plug.convert_model(_small_and_big(), backend="native")  # the CPU: no filter
+    assert report.converted == ["0", "1"]
