@@ -2,8 +2,9 @@
 # The GPU runs behind docs/performance.md and the GPU claims in docs/, on an H100/H200 with the
 # .gpu kit (see DEVELOPERS notes): `bash benchmarks/gpu_suite.sh STAGE... ` with $OUT set.
 # Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
-# profile (top kernels), bench (fp8plug bench, every engine), train (probe-model training step),
-# optim (optimizer-state memory), dist (two-GPU DDP/FSDP2 tests).
+# profile (top kernels), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter
+# is calibrated on), train (probe-model training step), train-1b (the 1b model, filter on and off),
+# sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -18,7 +19,13 @@ for stage in "$@"; do
     linear) python3 benchmarks/native_linear.py --json "$OUT/native_linear.json" 2>&1 | grep '^|\|device' ;;
     profile) (cd benchmarks && python3 profile_linear.py --variant native-delayed,native-dynamic --rows 8) 2>&1 | grep -v Warning | tee "$OUT/profile.log" | cut -c1-150 ;;
     bench) python3 -m fp8plug.bench --no-progress --engines native:dynamic,native:delayed,ao,te:delayed,te:current,fp8-gemm --modes compiled --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tail -40 ;;
-    train) python3 benchmarks/train_step.py --model probe --engines native,ao,te --timeout 240 --out "$OUT/probe" 2>&1 | tail -20 ;;
+    train) python3 benchmarks/train_step.py --model probe --engines native,ao --timeout 200 --out "$OUT/probe_native_ao" 2>&1 | tail -12
+           python3 benchmarks/train_step.py --model probe --engines te --timeout 200 --out "$OUT/probe_te" 2>&1 | tail -8 ;;
+    train-1b) python3 benchmarks/train_step.py --model 1b --engines native --timeout 150 --out "$OUT/1b_native" 2>&1 | tail -8
+              FP8PLUG_AUTO_FILTER=false python3 benchmarks/train_step.py --model 1b --engines native --paths fp8plug --timeout 150 --out "$OUT/1b_native_nofilter" 2>&1 | tail -4 ;;
+    sweep) python3 -m fp8plug.bench --no-progress --shapes sweep --modes compiled --engines native:delayed,ao --json "$OUT/bench_sweep_queued.json" 2>&1 | tail -64
+           python3 -m fp8plug.bench --no-progress --shapes sweep --modes eager --engines te:delayed --json "$OUT/bench_sweep_queued_te_eager.json" 2>&1 | tail -42 ;;
+    sdpa) (cd benchmarks && for p in fp8plug raw; do python3 sdpa_choice.py --paths $p --layers 2 --compile blocks; done) 2>&1 | grep "==\|compiled step" ;;
     optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;
     dist) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;

@@ -29,10 +29,26 @@ def env_report(device=None) -> str:
         selection = select_backend(None, info)
         lines.extend(selection.explain().splitlines()[1:])  # its first line repeats the device
         lines.append(f"automatic choice: {selection.name} ({selection.backend.title})")
+        lines.append(f"auto_filter  {auto_filter_status(selection.name, info)}")
     except BackendUnavailableError as exc:
         lines.append(str(exc))
         lines.append("automatic choice: none")
     return "\n".join(lines)
+
+
+def auto_filter_status(backend: str, info) -> str:
+    """Whether FP8RecipeKwargs' default speed filter would act for `backend` on this device."""
+    from .recipe import FP8RecipeKwargs
+    from .roofline import AUTO_MIN_SPEEDUP, auto_filter
+
+    try:
+        speed_filter = auto_filter(FP8RecipeKwargs(backend=backend), backend, info)
+    except ValueError as exc:  # FP8PLUG_AUTO_FILTER=true where no calibration exists
+        return f"asked for, but: {exc}"
+    if speed_filter is None:
+        return "off (no calibrated cost model for this engine and device, or turned off)"
+    return (f"on: Linears predicted below {AUTO_MIN_SPEEDUP:g}x bf16's speed at {speed_filter.tokens} tokens "
+            "stay in bf16 (FP8RecipeKwargs.auto_filter)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -37,3 +37,17 @@ def test_demo_fp8_loss_within_ten_percent_of_bf16(capsys):
     final = [line for line in out.splitlines() if line.startswith("final loss")][0]
     gap = float(final.rsplit("relative gap", 1)[1].strip().rstrip("%")) / 100
     assert gap <= 0.10 and status == 0
+
+
+def test_env_says_whether_the_speed_filter_acts(monkeypatch):
+    from fp8plug.cli import auto_filter_status, env_report
+    from fp8plug.hardware import DeviceInfo
+
+    monkeypatch.delenv("FP8PLUG_AUTO_FILTER", raising=False)
+    assert "auto_filter  off" in env_report("cpu")
+    h100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
+    assert auto_filter_status("native", h100).startswith("on: Linears predicted below 0.85x")
+    monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")
+    assert auto_filter_status("native", h100).startswith("off")
+    monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "true")
+    assert "no calibrated cost model" in auto_filter_status("native", DeviceInfo("cpu", "x86_64"))
