@@ -168,8 +168,8 @@ class FP8RecipeKwargs(KwargsHandler):
         optimizer_states: low-precision Adam/AdamW states through torchao (fp8plug.optim):
             "fp8", "8bit" or "4bit"; None (default) leaves the optimizer as given. Environment:
             FP8PLUG_OPTIMIZER_STATES. Not with backend="msamp" (its opt_level O2 does this).
-        auto_filter: leave in bf16 the Linears where FP8 is predicted slower than bf16
-            (fp8plug.roofline, calibrated on an H200). None (default): on for native, ao and te at
+        auto_filter: leave in bf16 the Linears where FP8 is predicted at least 15% slower than
+            bf16 (fp8plug.roofline, calibrated on an H200). None (default): on for native, ao and te at
             their default scalings on a compute capability 9.0 GPU, off elsewhere; True: on (an
             error where no calibration exists); False: off. Environment: FP8PLUG_AUTO_FILTER.
         auto_filter_tokens: the tokens per GPU per step (batch x sequence length) the filter

@@ -15,7 +15,8 @@ fp8plug ships the fit from an H200 (`SM90`, used on compute capability 9.0: H100
 
 It is on by default there: FP8RecipeKwargs(auto_filter=None) applies it on an sm_90 GPU for
 native, ao and te (tokens: `auto_filter_tokens`, default 8192 per GPU per step), keeping a Linear
-in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP), and nowhere else; auto_filter=False turns it off, True asks for it (an error where no constants exist).
+in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP), and nowhere else;
+auto_filter=False turns it off, True asks for it (an error where no constants exist).
 Every Linear it keeps in bf16 is in the ConversionReport with its predicted speed-up. By hand:
 
     from fp8plug.roofline import explain, make_module_filter
@@ -71,8 +72,9 @@ _H200 = ("calibrated on one H200 (torch 2.11, TE 2.20.2, torchao 0.18), fp8plug 
          "queued timing, 20 shapes; rms relative error {err}; docs/results/h200/bench_sweep_queued*.json")
 # Measured, not guessed: fitted by calibrate() to docs/results/h200/bench_sweep_queued.json (bf16,
 # native and ao compiled) and bench_sweep_queued_te_eager.json (te; TE runs outside torch.compile).
-# Used for every compute capability 9.0 GPU (H100 and H200 share the tensor cores; the H100's lower
-# bandwidth makes both bf16 and FP8 casts slower, so the ranking barely moves).
+# Used for every compute capability 9.0 GPU: H100 and H200 share the tensor cores. Not checked on an
+# H100 (none was free); its lower memory bandwidth slows bf16's memory-bound work and FP8's casts
+# alike, and the filter's 15% margin (AUTO_MIN_SPEEDUP) absorbs the rest.
 SM90: Dict[str, Costs] = {
     BF16_KEY: Costs(peak_tflops=778.0, bandwidth_gbs=3564.0, overhead_us=12.3, note=_H200.format(err="2.9%")),
     "native": Costs(peak_tflops=1400.0, bandwidth_gbs=3150.0, overhead_us=62.3, note=_H200.format(err="4.5%")),

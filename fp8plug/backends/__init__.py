@@ -105,7 +105,7 @@ def select_backend(requested: Optional[str] = None, device=None) -> Selection:
     In the automatic choice every engine is judged, not only the winner, so the choice can be
     explained. A requested engine is the only one probed: probing imports an engine, and an
     import can change the whole process (TransformerEngine loads its own cuDNN, which once cost
-    a native-engine run 3% of its speed; see te.share_torch_cudnn), so engines nobody asked for
+    a native-engine run 3.7% of its speed; see te.share_torch_cudnn), so engines nobody asked for
     are not imported.
     """
     info = device if isinstance(device, DeviceInfo) else device_info(device)
