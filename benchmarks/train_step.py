@@ -5,7 +5,9 @@ that memory, compile caches and engine globals cannot leak from one run into the
 
   bf16      the plain model, bf16 weights, torch.compile, AdamW            (the baseline)
   fp8plug   fp8plug.Accelerator(mixed_precision="fp8",
-            kwargs_handlers=[FP8RecipeKwargs(backend=...)]) + prepare + torch.compile
+            kwargs_handlers=[FP8RecipeKwargs(backend=...)]) + prepare + torch.compile, with every
+            default, the speed filter (auto_filter) included: on an H100/H200 it converts every
+            Linear of the probe and 1b models; FP8PLUG_AUTO_FILTER=false turns it off
   raw       the engine used directly, without fp8plug: torchao convert_to_float8_training;
             TransformerEngine te.Linear/te.RMSNorm under te.autocast(DelayedScaling ...);
             native NativeFP8Linear conversion under its autocast; msamp.initialize

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp8plug import bench
 from fp8plug.hardware import DeviceInfo
@@ -201,3 +202,22 @@ def test_train_step_tiny_smoke(tmp_path):
     assert rows["raw te"]["error"].startswith("unavailable:")  # no TransformerEngine on a CPU
     md = (tmp_path / "train_step.md").read_text()
     assert "| fp8plug native |" in md and "overhead vs raw" in md
+
+
+def test_timing_option():
+    """--timing picks queued (default) or synced GPU timing; anything else is refused. The timing
+    itself needs a GPU (tests/gpu runs the bench); on the CPU both are wall clock."""
+    import argparse
+
+    from fp8plug.bench import _Timer, add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).timing == "queued"
+    assert parser.parse_args(["--timing", "synced"]).timing == "synced"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--timing", "sometimes"])
+    with pytest.raises(ValueError, match="--timing: 'sometimes' is not one of queued, synced"):
+        _Timer(torch.device("cpu"), 1, 1, "sometimes")
+    calls = []
+    assert _Timer(torch.device("cpu"), 1, 3, "synced")(lambda: calls.append("step"), lambda: calls.append("reset")) >= 0
+    assert calls == ["reset", "step"] * 4
