@@ -132,8 +132,12 @@ def predicted_speedup(m: int, k: int, n: int, backend: str, scaling: Optional[st
     """bf16 time / FP8 time for one Linear forward+backward (> 1: FP8 is faster)."""
     constants = dict(SM90, **(constants or {}))
     backend = normalize_backend(backend)
-    bf16 = predict_ms(m, k, n, constants[BF16_KEY], fp8=False)
-    return bf16 / predict_ms(m, k, n, _lookup(constants, backend, scaling), fp8=True)
+    return speedup(m, k, n, constants[BF16_KEY], _lookup(constants, backend, scaling))
+
+
+def speedup(m: int, k: int, n: int, bf16: Costs, fp8: Costs) -> float:
+    """bf16 time / FP8 time for one Linear forward+backward, given both sides' costs."""
+    return predict_ms(m, k, n, bf16, fp8=False) / predict_ms(m, k, n, fp8, fp8=True)
 
 
 class SpeedFilter:
@@ -157,9 +161,9 @@ class SpeedFilter:
         if not isinstance(module, nn.Linear):
             return True
         k, n = module.in_features, module.out_features
-        speedup = predict_ms(self.tokens, k, n, self.bf16, fp8=False) / predict_ms(self.tokens, k, n, self.fp8, fp8=True)
-        self.decisions[fqn] = speedup
-        return speedup >= self.min_speedup
+        predicted = speedup(self.tokens, k, n, self.bf16, self.fp8)
+        self.decisions[fqn] = predicted
+        return predicted >= self.min_speedup
 
     def skip_reason(self, fqn: str) -> str:
         if fqn in self._refused_by_user:

@@ -69,3 +69,11 @@ def test_torch_cudnn_dir_finds_the_wheel_folder(monkeypatch, tmp_path):
     assert te_backend.torch_cudnn_dir() is None  # the folder is there, the library is not
     (folder / "lib" / "libcudnn.so.9").write_bytes(b"")
     assert te_backend.torch_cudnn_dir() == str(folder)
+
+
+def test_too_late_once_te_is_imported(clean_env, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, te_backend.TE_MODULE, object())
+    clean_env.setattr(te_backend, "torch_cudnn_dir", lambda: "/somewhere")
+    assert te_backend.share_torch_cudnn() is None and "CUDNN_PATH" not in os.environ

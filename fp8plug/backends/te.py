@@ -310,8 +310,7 @@ class TEApi:
 
 def _te():
     """transformer_engine.pytorch, imported now (only ever called once the engine is in use)."""
-    if TE_MODULE not in sys.modules:
-        share_torch_cudnn()
+    share_torch_cudnn()
     return importlib.import_module(TE_MODULE)
 
 
@@ -344,13 +343,16 @@ def share_torch_cudnn() -> Optional[str]:
     had used cuDNN, TE did not import at all (undefined symbol). So, before TE is imported, every
     library of torch's cuDNN is loaded (as torch's own preloading does) and CUDNN_PATH points at
     it: each later lookup finds the copy already loaded. A CUDNN_PATH or CUDNN_HOME the user set
-    is left alone, and so is a machine without the wheel or without a GPU.
+    is left alone, and so is a machine without the wheel or without a GPU. Once TE is imported it
+    is too late, and this does nothing.
     """
     import ctypes
     import glob
     import os
 
-    if os.environ.get("CUDNN_PATH") or os.environ.get("CUDNN_HOME") or not torch.cuda.is_available():
+    if TE_MODULE in sys.modules or os.environ.get("CUDNN_PATH") or os.environ.get("CUDNN_HOME"):
+        return None
+    if not torch.cuda.is_available():
         return None
     folder = torch_cudnn_dir()
     if folder is None:
@@ -556,8 +558,7 @@ class TEBackend(Backend):
 
     # availability -------------------------------------------------------------------------------
     def probe(self) -> Probe:
-        if TE_MODULE not in sys.modules:
-            share_torch_cudnn()
+        share_torch_cudnn()
         return probe_import(TE_MODULE, lambda m: __import__("transformer_engine").__version__)
 
     def supports(self, device):
