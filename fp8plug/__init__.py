@@ -5,7 +5,7 @@ torchao/OLMo-core shaped entry points (fp8plug.float8) load on first use.
 """
 
 from .autocast import apply_fp8_autowrap, contextual_fp8_autocast, remove_fp8_autowrap
-from .api import convert_model, has_fp8_layers, has_transformer_engine_layers, unconvert_model
+from .api import convert_model, has_fp8_layers, has_transformer_engine_layers, sync_fp8_scaling, unconvert_model
 from .backends import BackendUnavailableError, get_backend, select_backend
 from .convert import ConversionError, ConversionReport
 from .recipe import FP8RecipeKwargs
@@ -39,5 +39,6 @@ __all__ = [
     "has_transformer_engine_layers",
     "remove_fp8_autowrap",
     "select_backend",
+    "sync_fp8_scaling",
     "unconvert_model",
 ]

@@ -63,6 +63,17 @@ def has_transformer_engine_layers(model: nn.Module) -> bool:
     return any(get_backend("te").is_converted(m) for m in model.modules())
 
 
+def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
+    """End a step of delayed scaling now: amaxes reduced across the ranks of `group` (all ranks by
+    default) and scales updated, for `models` (every converted model when none is given).
+
+    fp8plug does this after every torch optimizer step by itself (fp8plug.Accelerator, Trainer
+    and hand-written loops alike); call it only in a loop that has no torch optimizer, on every
+    rank alike."""
+    for engine in loaded_backends():
+        engine.sync_scaling(models, group=group)
+
+
 def has_fp8_layers(model: nn.Module) -> bool:
     """Whether `model` holds FP8 modules of any engine."""
     return any(engine.is_converted(m) for engine in loaded_backends() for m in model.modules())

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .backends import get_backend
-from .convert import ConversionError, ConversionReport, linear_alignment_problem, plan_conversion, swap_modules
+from .convert import ConversionError, ConversionReport
 
 __all__ = [
     "AOFloat8LinearConfig",
@@ -324,7 +324,7 @@ class Float8LinearConfig:
 
     enable_amax_init / enable_pre_and_post_forward were torchao workarounds for delayed scaling
     under autocast + compile + FSDP; the native engine initialises each scale from the first amax
-    and updates its history inside forward/backward, so it needs neither: both are accepted and
+    and updates its history after each optimizer step, so it needs neither: both are accepted and
     have no effect. emulate and pad_inner_dim apply to dynamic (torchao) configs.
     """
 
@@ -432,29 +432,24 @@ def _convert_delayed(module, config: Float8LinearConfig, module_filter_fn) -> Co
 
 
 def _convert_native(module, config: Float8LinearConfig, module_filter_fn, modes) -> ConversionReport:
-    from .backends.native import NativeFP8Linear
-
-    native = get_backend("native")
     options = dict(
         scaling=modes[0] if len(set(modes)) == 1 else modes, fp8_format="HYBRID", margin=0, interval=1,
         amax_history_len=config.delayed_scaling_config.history_len,
         amax_compute_algo=config.delayed_scaling_config.scale_fn_name,
         override_linear_precision=(False, False, False),
     )
-    targets, report = plan_conversion(
-        module, native.name, {nn.Linear: linear_alignment_problem}, native.is_converted, None, module_filter_fn,
-    )
-    return swap_modules(module, targets, lambda m: NativeFP8Linear.from_linear(m, **options), report)
+    return get_backend("native").convert_with_options(module, options, None, module_filter_fn)
 
 
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
-    """The torchao seed's per-step sync for delayed scaling. A no-op here, kept so seed code runs
-    unchanged: fp8plug's native delayed layers record each amax and update their scales inside
-    their own forward and backward (TransformerEngine's order), so nothing is left to sync.
-    Across data-parallel ranks each rank keeps its own history; the weights stay identical
-    because only gradients are reduced."""
+    """The torchao seed's per-step sync for delayed scaling: ends the step now (amaxes reduced
+    across ranks, histories and scales updated; fp8plug.sync_fp8_scaling). fp8plug would also do
+    it by itself after the optimizer step, which then finds nothing left to do."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"sync_float8_amax_and_scale_history: expected an nn.Module, got {type(model).__name__}.")
+    from .api import sync_fp8_scaling
+
+    sync_fp8_scaling(model)
 
 
 def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:

@@ -8,9 +8,11 @@ mind, then the defaults, and rejects a bad value with the field's name and the a
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 from dataclasses import dataclass, field, fields
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
 from accelerate.utils import KwargsHandler
 
@@ -48,6 +50,19 @@ DEFAULTS = {
     "scaling": None,
     "auto_filter": None,
     "auto_filter_tokens": None,
+    "reduce_amax": True,
+}
+# Bounds of the numeric fields, with why (what FP8 and delayed scaling can use).
+BOUNDS = {
+    # the largest value still lands at or above 1.0 in E4M3 (max 448 = 2**8.8); a larger margin
+    # pushes the small values below E4M3's smallest subnormal (2**-9) and zeroes them.
+    "margin": (0, 8, "a larger margin maps the largest value below 1.0 in E4M3 and flushes small values to zero"),
+    # a scale kept longer than this no longer follows the tensors it scales
+    "interval": (1, 10_000, "a scale recomputed less often cannot follow the tensors it scales"),
+    # 8192 entries x 3 tensors of float32 per Linear, read at every end-of-step update
+    "amax_history_len": (1, 8192, "a longer history costs memory and time at every step and reacts no better"),
+    # tokens per GPU per step: a GEMM dimension, so it must fit int32
+    "auto_filter_tokens": (1, 2**31 - 1, "it is a GEMM dimension and must fit in int32"),
 }
 
 # field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
@@ -70,6 +85,7 @@ ENV_NAMES = {
     "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
     "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
     "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
+    "reduce_amax": ("FP8PLUG_REDUCE_AMAX", "ACCELERATE_FP8_REDUCE_AMAX"),
 }
 MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
 OVERRIDE_ENV_NAMES = (
@@ -174,6 +190,14 @@ class FP8RecipeKwargs(KwargsHandler):
             error where no calibration exists); False: off. Environment: FP8PLUG_AUTO_FILTER.
         auto_filter_tokens: the tokens per GPU per step (batch x sequence length) the filter
             assumes; default 8192. Environment: FP8PLUG_AUTO_FILTER_TOKENS.
+        reduce_amax: delayed scaling: reduce each step's amaxes (max) across all ranks, so every
+            rank casts with one scale, as TransformerEngine does (default True); False keeps
+            one scale per rank (e.g. pipeline stages holding different layers).
+            Environment: FP8PLUG_REDUCE_AMAX.
+
+    Accelerate's own field names are accepted too (`module_filter_func`, `config`,
+    `use_mxfp8_block_scaling`, `amax_history_length`, ...; see ACCELERATE_NAMES). A recipe made by
+    `dataclasses.replace` or copied equals, field for field, the one built directly.
     """
 
     backend: Optional[str] = None
@@ -194,17 +218,38 @@ class FP8RecipeKwargs(KwargsHandler):
     optimizer_states: Optional[str] = None
     auto_filter: Optional[bool] = None
     auto_filter_tokens: Optional[int] = None
+    reduce_amax: Optional[bool] = None
+    # What this recipe resolved to; dataclasses.replace passes it to the new recipe, which can so
+    # tell a field the caller changed from one that only came along (see _forget_inherited).
+    _resolved: Optional["_Resolved"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        self._forget_inherited()
         self._resolve(os.environ)
         self._validate()
+        self._resolved = _Resolved({name: getattr(self, name) for name in _field_names()}, self._explicit_fields)
+
+    def _forget_inherited(self) -> None:
+        """Under dataclasses.replace every field arrives filled in. A value that is the very object
+        the source recipe resolved from the environment or the defaults (not one its caller gave)
+        is set back to None, so it resolves again and stays non-explicit, as in a recipe built
+        directly; fields the source's caller gave, or replace's caller changed, stay explicit."""
+        source, self._resolved = self._resolved, None
+        if source is None:
+            return
+        for name in _field_names():
+            if name not in source.explicit and getattr(self, name) is source.values.get(name):
+                setattr(self, name, None)
 
     def _resolve(self, environ) -> None:
-        explicit = {f.name for f in fields(self) if getattr(self, f.name) is not None}
+        explicit = {name for name in _field_names() if getattr(self, name) is not None}
         self._explicit_fields = frozenset(explicit)
+        self._sources: Dict[str, str] = {}
         for name in ENV_NAMES:
             if getattr(self, name) is None:
                 value = _env_value(name, environ)
+                if value is not None:
+                    self._sources[name] = next(n for n in ENV_NAMES[name] if n and environ.get(n) == value)
                 setattr(self, name, value if value is not None else DEFAULTS[name])
         if self.modules_to_ignore is None:
             text = next((environ[n] for n in MODULES_TO_IGNORE_ENV if environ.get(n)), None)
@@ -227,9 +272,9 @@ class FP8RecipeKwargs(KwargsHandler):
                 f"which fp8plug does not drive; use one of {', '.join(OPT_LEVELS)}."
             )
         self.opt_level = _choice("opt_level", self.opt_level, OPT_LEVELS, str.upper)
-        self.margin = _integer("margin", self.margin, minimum=0)
-        self.interval = _integer("interval", self.interval, minimum=1)
-        self.amax_history_len = _integer("amax_history_len", self.amax_history_len, minimum=1)
+        for name in ("margin", "interval", "amax_history_len"):
+            setattr(self, name, self._bounded(name))
+        self.reduce_amax = parse_bool(self.reduce_amax, self._label("reduce_amax"))
         self.override_linear_precision = _override(self.override_linear_precision)
         if self.scaling is not None:
             self.scaling = str(self.scaling).strip().lower()
@@ -257,7 +302,7 @@ class FP8RecipeKwargs(KwargsHandler):
             text = str(self.auto_filter).strip().lower()
             self.auto_filter = None if text in ("auto", "none") else parse_bool(self.auto_filter, "FP8RecipeKwargs.auto_filter")
         if self.auto_filter_tokens is not None:
-            self.auto_filter_tokens = _integer("auto_filter_tokens", self.auto_filter_tokens, minimum=1)
+            self.auto_filter_tokens = self._bounded("auto_filter_tokens")
         self.optimizer_states = _optimizer_states(self.optimizer_states)
         if self.optimizer_states is not None and self.backend == "msamp":
             raise ValueError(
@@ -266,15 +311,75 @@ class FP8RecipeKwargs(KwargsHandler):
                 "backend='msamp'."
             )
 
+    def _label(self, name: str) -> str:
+        """The field's name for an error, with the environment variable it came from, if any."""
+        source = self._sources.get(name)
+        return f"FP8RecipeKwargs.{name}" + (f" (from {source})" if source else "")
+
+    def _bounded(self, name: str) -> int:
+        low, high, why = BOUNDS[name]
+        return _integer(self._label(name), getattr(self, name), low, high, why)
+
     def is_explicit(self, name: str) -> bool:
         """Whether the user passed this field (rather than it coming from the environment or defaults)."""
         return name in self._explicit_fields
 
     def to_dict(self):
         """The resolved fields as a dict (without module_filter_fn, which is a function)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.pop("module_filter_fn")
-        return out
+        return {name: getattr(self, name) for name in _field_names() if name != "module_filter_fn"}
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    values: dict
+    explicit: FrozenSet[str]
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names() -> Tuple[str, ...]:
+    """The recipe's public fields (not the private `_resolved`)."""
+    return tuple(f.name for f in fields(FP8RecipeKwargs) if not f.name.startswith("_"))
+
+
+# Accelerate's names for fp8plug's fields (its TERecipeKwargs, AORecipeKwargs, MSAMPRecipeKwargs
+# and the keys `accelerate config` writes), as (fp8plug field, how to translate the value).
+ACCELERATE_NAMES = {
+    "module_filter_func": ("module_filter_fn", None),
+    "config": ("ao_config", None),
+    "amax_history_length": ("amax_history_len", None),
+    "amax_compute_algorithm": ("amax_compute_algo", None),
+    "optimization_level": ("opt_level", None),
+    "use_mxfp8_block_scaling": ("scaling", lambda on: "mxfp8" if parse_bool(on, "use_mxfp8_block_scaling") else None),
+}
+
+
+def _accept_accelerate_names(generated_init):
+    """Wrap the dataclass __init__ so Accelerate's field names work, and a misspelt name gets a
+    "did you mean" instead of a bare TypeError."""
+
+    @functools.wraps(generated_init)
+    def __init__(self, *args, **kwargs):
+        for name in [n for n in kwargs if n not in _field_names() and n != "_resolved"]:
+            if name in ACCELERATE_NAMES:
+                target, translate = ACCELERATE_NAMES[name]
+                if target in kwargs:
+                    raise TypeError(
+                        f"FP8RecipeKwargs: {name!r} is Accelerate's name for {target!r}; pass only one of them."
+                    )
+                value = kwargs.pop(name)
+                kwargs[target] = translate(value) if translate else value
+                continue
+            close = difflib.get_close_matches(name, list(_field_names()) + list(ACCELERATE_NAMES), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"FP8RecipeKwargs got an unknown field {name!r}.{hint} Fields: {', '.join(_field_names())}."
+            )
+        generated_init(self, *args, **kwargs)
+
+    return __init__
+
+
+FP8RecipeKwargs.__init__ = _accept_accelerate_names(FP8RecipeKwargs.__init__)
 
 
 def _name_list(text: str) -> list:
@@ -309,13 +414,15 @@ def _optimizer_states(value) -> Optional[str]:
     return text
 
 
-def _integer(name, value, minimum):
+def _integer(label, value, low, high, why):
+    """An integer in [low, high], or a ValueError naming the field, the range and why."""
+    allowed = f"use an integer from {low} to {high}"
     try:
         number = int(str(value).strip()) if not isinstance(value, int) or isinstance(value, bool) else value
     except ValueError:
-        raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not an integer; use an integer >= {minimum}.") from None
-    if isinstance(value, bool) or number < minimum:
-        raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not allowed; use an integer >= {minimum}.")
+        raise ValueError(f"{label}: {value!r} is not an integer; {allowed}.") from None
+    if isinstance(value, bool) or not low <= number <= high:
+        raise ValueError(f"{label}: {value!r} is out of range; {allowed} ({why}).")
     return number
 
 

@@ -113,6 +113,11 @@ class Backend:
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Work due once the optimizer has stepped (e.g. precomputing FSDP float8 scales)."""
 
+    def sync_scaling(self, models, group=None) -> None:
+        """End a step of delayed scaling for `models` (every model this engine converted when
+        empty): reduce amaxes across the ranks of `group` and update the scales. Engines whose
+        scaling has no state across steps, or that do this themselves, need nothing here."""
+
     # checkpoints --------------------------------------------------------------------------------
     def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The state dict with the engine's own entries removed: the plain architecture's keys."""

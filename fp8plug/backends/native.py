@@ -1,30 +1,53 @@
 """The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
 
 Per-tensor scaling, dynamic (scale from the tensor's own amax) or delayed with TransformerEngine's
-DelayedScaling semantics: an amax history per tensor (input, weight, grad_output), reduced by
-"max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed every `interval` steps.
-The three GEMMs (fprop, dgrad, wgrad) go through `torch._scaled_mm`, on CUDA sm_89+ and on the
-CPU; forward saves the FP8 copies of input and weight for backward instead of the high-precision
-ones. Scaling state lives in non-persistent buffers, so the state dict keeps the plain Linear's
-keys. All of it is branch-free tensor code, so it compiles with fullgraph=True.
+DelayedScaling semantics (fp8plug.scaling): an amax history per tensor (input, weight,
+grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
+every `interval` steps, and amaxes reduced across data-parallel ranks once per optimizer step so
+every rank casts with one scale. The three GEMMs (fprop, dgrad, wgrad) go through
+`torch._scaled_mm`, on CUDA sm_89+ and on the CPU; forward saves the FP8 copies of input and weight
+for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
+the state dict keeps the plain Linear's keys. The forward is branch-free tensor code, so it
+compiles with fullgraph=True.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import weakref
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..convert import ConversionReport, linear_alignment_problem, plan_conversion, swap_modules
+from ..scaling import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    NOT_RECORDED,
+    DelayedSettings,
+    amax_of,
+    encode_for_reduction,
+    fold_delayed_scaling,
+    quantize,
+    record_amax,
+    reduce_across_ranks,
+    scale_from_amax,
+    write_back,
+)
 from .base import Backend, Probe
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ALIGN = 16
+# The scaling state of a NativeFP8Linear, all non-persistent buffers (the state dict stays the
+# plain Linear's); fp8plug's checkpoint helpers carry them beside the weights.
+STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded")
+# How many end-of-step updates may read back (one host sync each) whether a module's slots have
+# had their first good step. A slot still without one after that (a layer whose backward never
+# runs) keeps scaling from its current amax, which is correct, only without delayed scaling's
+# saved read.
+_START_CHECKS = 8
 
 
 class _Region:
@@ -57,67 +80,6 @@ class native_fp8_autocast:
         return False
 
 
-# --- scaling ---------------------------------------------------------------------------------------
-
-
-def amax_of(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a float32 scalar. Reduced row by row first: a row reduction walks the tensor the
-    way the FP8 cast does, so the compiler can compute both in one read (delayed scaling)."""
-    t = t.detach().abs()
-    if t.dim() >= 2:
-        t = t.amax(dim=-1)
-    return t.amax().float()
-
-
-def scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0, fallback=None) -> torch.Tensor:
-    """TransformerEngine's formula, scale = fp8_max / amax / 2**margin, keeping `fallback` (or 1)
-    where amax is zero or not finite."""
-    scale = fp8_max / amax / (2.0**margin)
-    keep = fallback if fallback is not None else torch.ones_like(scale)
-    return torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
-
-
-def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scale, saturate to the format's range, and cast to FP8."""
-    limit = FP8_MAX[dtype]
-    return (t.float() * scale).clamp(-limit, limit).to(dtype)
-
-
-def delayed_scale_update(
-    history: torch.Tensor,
-    scale: torch.Tensor,
-    step: torch.Tensor,
-    amax: torch.Tensor,
-    fp8_max: float,
-    margin: int,
-    interval: int,
-    algo: str,
-    first: bool,
-) -> torch.Tensor:
-    """One delayed-scaling step for one tensor, in place; returns the scale to use now.
-
-    On the first step (`first`, a Python flag the module keeps) the scale comes from the current
-    amax, an amax-initialised start so the first step cannot overflow. On a later step that is a
-    multiple of `interval`, the scale is recomputed from the history of past amaxes (its newest
-    entry for "most_recent", its maximum for "max"); otherwise it is kept. Then the current amax
-    enters the history, which rolls, dropping its oldest entry.
-
-    After the first step the scale never depends on the current tensor, so the compiler can fuse
-    the amax reduction into the cast: one read of the tensor instead of two. That is what delayed
-    scaling is for, and why the first step is a Python flag rather than a tensor condition.
-    """
-    if first:
-        new_scale = scale_from_amax(amax, fp8_max, margin)
-    else:
-        reduced = history[0] if algo == "most_recent" else history.amax(dim=0)
-        recomputed = scale_from_amax(reduced, fp8_max, margin, fallback=scale)
-        new_scale = torch.where(step % interval == 0, recomputed, scale)
-    scale.copy_(new_scale)
-    history.copy_(torch.cat([amax.reshape(1), history[:-1]]))
-    step.add_(1)
-    return new_scale
-
-
 # --- the FP8 linear ------------------------------------------------------------------------------------
 
 
@@ -129,11 +91,15 @@ def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden."""
+    """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden.
+
+    `grad_record` is the module's recorded grad_output amax. It is kept on ctx rather than saved
+    with save_for_backward: several calls of one layer before one backward all write into it, and
+    a saved tensor written in place would fail autograd's version check."""
 
     @staticmethod
-    def forward(ctx, x, weight, x_scale, w_scale, state, config):
-        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo, first = config
+    def forward(ctx, x, weight, x_scale, w_scale, grad_scale, grad_record, config):
+        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = config
         x_fp8 = quantize(x, x_scale, fwd_dtype)
         w_fp8 = quantize(weight, w_scale, fwd_dtype)
         if override[0]:
@@ -145,43 +111,38 @@ class _FP8Linear(torch.autograd.Function):
         # from one read of the high-precision tensor; only the transposed copies are kept.
         x_t = x_fp8.t().contiguous()
         w_t = w_fp8.t().contiguous()
-        if override[1] or override[2]:
-            ctx.save_for_backward(x_t, w_t, x_scale, w_scale, x, weight, *state)
-        else:
-            ctx.save_for_backward(x_t, w_t, x_scale, w_scale, *state)
+        high = (x, weight) if override[1] or override[2] else ()
+        ctx.save_for_backward(x_t, w_t, x_scale, w_scale, grad_scale, *high)
+        ctx.grad_record = grad_record
         ctx.config = config
         ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.high_precision = override[1] or override[2]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        out_dtype, fwd_dtype, bwd_dtype, override, delayed, margin, interval, algo, first = ctx.config
-        saved = ctx.saved_tensors
-        x_t, w_t, x_scale, w_scale = saved[:4]
-        if ctx.high_precision:
-            x_hp, w_hp = saved[4:6]
-            state = saved[6:]
-        else:
-            state = saved[4:]
+        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = ctx.config
+        x_t, w_t, x_scale, w_scale, grad_scale, *high = ctx.saved_tensors
         g_amax = amax_of(grad_out)
         fp8_max = FP8_MAX[bwd_dtype]
-        if delayed:
-            history, scale, step = state
-            g_scale = delayed_scale_update(history, scale, step, g_amax, fp8_max, margin, interval, algo, first)
+        if grad_mode == "delayed":  # the scale decided at the end of the last step
+            g_scale = grad_scale
+        elif grad_mode == "first":  # delayed scaling before its first step: from the current amax
+            g_scale = scale_from_amax(g_amax, fp8_max, margin)
         else:
             g_scale = scale_from_amax(g_amax, fp8_max)
+        if ctx.grad_record is not None:
+            record_amax(ctx.grad_record, g_amax)
         g_fp8 = quantize(grad_out, g_scale, bwd_dtype)
         x_dtype, w_dtype = ctx.dtypes
         if override[1]:
-            grad_x = grad_out.to(out_dtype) @ w_hp.to(out_dtype)
+            grad_x = grad_out.to(out_dtype) @ high[1].to(out_dtype)
         else:
             grad_x = _scaled_mm(g_fp8, w_t.t(), g_scale, w_scale, out_dtype, False)
         if override[2]:
-            grad_w = grad_out.to(out_dtype).t() @ x_hp.to(out_dtype)
+            grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
         else:
             grad_w = _scaled_mm(g_fp8.t().contiguous(), x_t.t(), g_scale, x_scale, out_dtype, False)
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None, None
 
 
 class NativeFP8Linear(nn.Linear):
@@ -189,19 +150,25 @@ class NativeFP8Linear(nn.Linear):
 
     It keeps nn.Linear's parameters (the very same Parameter objects when converted, so optimizers
     stay valid) and state-dict keys. FP8 runs in training mode, or as an enclosing
-    `native_fp8_autocast` says; otherwise, and for inputs an FP8 GEMM cannot take (token count or
-    features not divisible by 16), the layer runs in high precision.
+    `native_fp8_autocast` says; otherwise the layer runs in high precision. Any token count runs
+    in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
+
+    Delayed scaling (fp8plug.scaling): during a step the layer records amaxes and casts with the
+    scales set at the end of the previous step; `sync_fp8_scaling` (run after every optimizer
+    step) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
+    first update it scales from the current amax, so the first step cannot overflow.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, scaling="delayed",
                  fp8_format="HYBRID", margin=0, interval=1, amax_history_len=1024,
-                 amax_compute_algo="most_recent", override_linear_precision=(False, False, False)):
+                 amax_compute_algo="most_recent", override_linear_precision=(False, False, False),
+                 reduce_amax=True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup_fp8(scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
-                        override_linear_precision)
+                        override_linear_precision, reduce_amax)
 
     def _setup_fp8(self, scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
-                   override_linear_precision):
+                   override_linear_precision, reduce_amax=True):
         # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes.
         modes = (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
         if len(modes) != 3 or any(mode not in ("delayed", "dynamic") for mode in modes):
@@ -211,6 +178,7 @@ class NativeFP8Linear(nn.Linear):
             )
         self.scaling = scaling if isinstance(scaling, str) else modes
         self.scaling_modes = modes
+        self.delayed = "delayed" in modes
         self.fp8_format = fp8_format
         self.fwd_dtype = E4M3
         self.bwd_dtype = E5M2 if fp8_format == "HYBRID" else E4M3
@@ -218,21 +186,28 @@ class NativeFP8Linear(nn.Linear):
         self.interval = int(interval)
         self.amax_compute_algo = amax_compute_algo
         self.override_linear_precision = tuple(override_linear_precision)
+        self.reduce_amax = bool(reduce_amax)
         device = self.weight.device
-        length = int(amax_history_len) if "delayed" in modes else 1
-        # Non-persistent: the model's state dict stays the plain Linear's. fp8plug's checkpoint
-        # helpers carry these separately (save_state) so a resumed run continues identically.
+        length = int(amax_history_len) if self.delayed else 1
         self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
-        # Whether an FP8 step has run: a Python flag so the compiled steady state has no
-        # first-step branch (one recompile after the first step). load_fp8_state restores it.
-        self.fp8_started = False
+        self.register_buffer("fp8_amax_recorded", torch.full((3,), NOT_RECORDED, device=device), persistent=False)
+        # Per slot, whether its scale has had its first update: Python flags, so the compiled
+        # steady state has no first-step branch (one recompile after the first step).
+        self.fp8_started = (False, False, False)
+        self._start_checks_left = _START_CHECKS
+        if self.delayed:
+            track_for_sync(self)  # a layer built directly is synced like a converted model
+
+    def delayed_settings(self) -> DelayedSettings:
+        fp8_max = (FP8_MAX[self.fwd_dtype], FP8_MAX[self.fwd_dtype], FP8_MAX[self.bwd_dtype])
+        return DelayedSettings(fp8_max, self.margin, self.interval, self.amax_compute_algo)
 
     def _apply(self, fn, recurse=True):
         """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
         scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only."""
-        kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale")}
+        kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_recorded")}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
@@ -272,42 +247,132 @@ class NativeFP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not self.fp8_active() or rows % ALIGN or rows == 0 or x.shape[-1] % ALIGN or self.out_features % ALIGN:
+        if not self.fp8_active() or rows == 0 or x.shape[-1] % ALIGN or self.out_features % ALIGN:
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])
-        out_dtype = self._out_dtype(x)
-        first = not self.fp8_started
+        padding = -rows % ALIGN
+        if padding:  # zero rows change no amax and no weight gradient; their outputs are dropped
+            x2 = F.pad(x2, (0, 0, 0, padding))
         x_amax = amax_of(x2)
         w_amax = amax_of(self.weight)
-        x_scale = self._scale(INPUT, x_amax, self.fwd_dtype, first)
-        w_scale = self._scale(WEIGHT, w_amax, self.fwd_dtype, first)
-        grad_delayed = self.scaling_modes[GRAD_OUTPUT] == "delayed"
-        if grad_delayed:
-            state = (self.fp8_amax_history[:, GRAD_OUTPUT], self.fp8_scale[GRAD_OUTPUT], self.fp8_step[GRAD_OUTPUT])
-        else:
-            state = ()
-        config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision,
-                  grad_delayed, self.margin, self.interval, self.amax_compute_algo, first)
-        out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, state, config)
-        if first:
-            self.fp8_started = True
+        x_scale = self._forward_scale(INPUT, x_amax, self.fwd_dtype)
+        w_scale = self._forward_scale(WEIGHT, w_amax, self.fwd_dtype)
+        grad_record = None
+        if self.delayed and self.training:  # only delayed tensors keep a history
+            delayed = [mode == "delayed" for mode in self.scaling_modes]
+            with torch.no_grad():
+                if delayed[INPUT] and delayed[WEIGHT]:
+                    record_amax(self.fp8_amax_recorded[:2], torch.stack([x_amax, w_amax]))
+                elif delayed[INPUT] or delayed[WEIGHT]:
+                    slot, amax = (INPUT, x_amax) if delayed[INPUT] else (WEIGHT, w_amax)
+                    record_amax(self.fp8_amax_recorded[slot], amax)
+            if delayed[GRAD_OUTPUT]:
+                grad_record = self.fp8_amax_recorded[GRAD_OUTPUT:]
+        grad_mode = self.scaling_modes[GRAD_OUTPUT]
+        if grad_mode == "delayed" and not self.fp8_started[GRAD_OUTPUT]:
+            grad_mode = "first"
+        out_dtype = self._out_dtype(x)
+        config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
+        out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, self.fp8_scale[GRAD_OUTPUT], grad_record, config)
+        if padding:
+            out = out[:rows]
         if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+            out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype, first: bool) -> torch.Tensor:
-        """The scale for tensor `slot` (INPUT or WEIGHT) now, by that tensor's scaling mode."""
-        if self.scaling_modes[slot] == "delayed":
-            with torch.no_grad():
-                return delayed_scale_update(
-                    self.fp8_amax_history[:, slot], self.fp8_scale[slot], self.fp8_step[slot], amax,
-                    FP8_MAX[dtype], self.margin, self.interval, self.amax_compute_algo, first,
-                )
-        return scale_from_amax(amax, FP8_MAX[dtype])
+    def _forward_scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The scale for tensor `slot` (INPUT or WEIGHT) in this call: its own amax's (dynamic,
+        or delayed before the first update), else the one set at the end of the last step."""
+        if self.scaling_modes[slot] == "dynamic":
+            return scale_from_amax(amax, FP8_MAX[dtype])
+        if not self.fp8_started[slot]:
+            return scale_from_amax(amax, FP8_MAX[dtype], self.margin)
+        return self.fp8_scale[slot]
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
                 f"history={self.fp8_amax_history.shape[0]}")
+
+
+# --- the end-of-step update -----------------------------------------------------------------------
+
+# Converted models, in the order they were converted (a WeakKeyDictionary keeps insertion order),
+# so every rank walks its layers in the same order and the one all-reduce lines them up.
+_TRACKED: "weakref.WeakKeyDictionary[nn.Module, None]" = weakref.WeakKeyDictionary()
+_HOOK = []  # the handle of the optimizer step hook, once installed
+
+
+def track_for_sync(model: nn.Module) -> None:
+    """Update `model`'s delayed scaling after every step of an optimizer that trains it (through
+    a global torch optimizer step hook), whatever runs the loop: fp8plug.Accelerator, a Trainer,
+    a hand-written loop, a hand-built DDP."""
+    _TRACKED[model] = None
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
+    """Sync the converted models (and directly built layers) that `optimizer` trains: any of their
+    parameters in it, so a model with frozen FP8 layers and trainable adapters counts."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    models = [m for m in list(_TRACKED) if any(id(p) in stepped for p in m.parameters())]
+    if models:
+        sync_fp8_scaling(*models)
+
+
+def _delayed_layers(models) -> List[NativeFP8Linear]:
+    seen: Dict[int, NativeFP8Linear] = {}
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, NativeFP8Linear) and module.delayed:
+                seen.setdefault(id(module), module)
+    return list(seen.values())
+
+
+def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
+    """End a step of delayed scaling for `models` (default: every converted model): reduce the
+    recorded amaxes (max) across the ranks of `group` (default: all ranks) in one collective for
+    all layers, push them into the histories and recompute the scales.
+
+    fp8plug runs this after every optimizer step; call it yourself only for a loop without a
+    torch optimizer. Every rank must call it the same number of times, as with any collective.
+    """
+    layers = _delayed_layers(models or list(_TRACKED))
+    if not layers:
+        return
+    with torch.no_grad():
+        recorded = encode_for_reduction(torch.stack([m.fp8_amax_recorded for m in layers]))
+        shared = [i for i, m in enumerate(layers) if m.reduce_amax]
+        if len(shared) == len(layers):
+            reduce_across_ranks(recorded, group)
+        elif shared:
+            index = torch.tensor(shared, device=recorded.device)
+            recorded[index] = reduce_across_ranks(recorded[index], group)
+        batches: Dict[tuple, List[int]] = {}
+        for i, m in enumerate(layers):
+            key = (m.delayed_settings(), m.fp8_amax_history.shape, m.fp8_scale.device)
+            batches.setdefault(key, []).append(i)
+        for (settings, _, _), members in batches.items():
+            _fold_batch([layers[i] for i in members], recorded[members], settings)
+
+
+def _fold_batch(layers: List[NativeFP8Linear], amax: torch.Tensor, settings: DelayedSettings) -> None:
+    history, scale, step = fold_delayed_scaling(
+        torch.stack([m.fp8_amax_history for m in layers]), torch.stack([m.fp8_scale for m in layers]),
+        torch.stack([m.fp8_step for m in layers]), amax, settings,
+    )
+    write_back([m.fp8_amax_history for m in layers], history)
+    write_back([m.fp8_scale for m in layers], scale)
+    write_back([m.fp8_step for m in layers], step)
+    write_back([m.fp8_amax_recorded for m in layers], torch.full_like(amax, NOT_RECORDED))
+    waiting = [i for i, m in enumerate(layers) if not all(m.fp8_started) and m._start_checks_left > 0]
+    if waiting:
+        started = (step[waiting] > 0).tolist()  # one host read, only in a layer's first steps
+        for i, flags in zip(waiting, started):
+            layers[i].fp8_started = tuple(bool(f) for f in flags)
+            layers[i]._start_checks_left -= 1
 
 
 # --- the engine --------------------------------------------------------------------------------------
@@ -333,15 +398,26 @@ class NativeBackend(Backend):
             interval=recipe.interval, amax_history_len=recipe.amax_history_len,
             amax_compute_algo=recipe.amax_compute_algo,
             override_linear_precision=recipe.override_linear_precision,
+            reduce_amax=getattr(recipe, "reduce_amax", True),
         )
 
     def convert(self, model: nn.Module, recipe) -> ConversionReport:
-        options = self.options(recipe)
+        return self.convert_with_options(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
+
+    def convert_with_options(self, model: nn.Module, options: dict, modules_to_ignore=None,
+                             module_filter_fn=None) -> ConversionReport:
+        """Convert with NativeFP8Linear's own options (e.g. a scaling mode per tensor, which a
+        recipe cannot say; fp8plug.float8 uses this for torchao-style configs)."""
         targets, report = plan_conversion(
             model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            recipe.modules_to_ignore, recipe.module_filter_fn,
+            modules_to_ignore, module_filter_fn,
         )
-        return swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options), report)
+        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options), report)
+        # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
+        # (the scales are identical on every rank anyway once reduced).
+        ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted for name in STATE_BUFFERS])
+        track_for_sync(model)
+        return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         from ..convert import replace_module
@@ -357,12 +433,13 @@ class NativeBackend(Backend):
     def autocast(self, recipe, enabled: bool = True):
         return native_fp8_autocast(enabled)
 
-    _STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step")
+    def sync_scaling(self, models, group=None) -> None:
+        sync_fp8_scaling(*models, group=group)
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
         return {
-            fqn: {name: getattr(module, name).detach().cpu().clone() for name in self._STATE_BUFFERS}
+            fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
             for fqn, module in model.named_modules()
             if isinstance(module, NativeFP8Linear)
         }
@@ -377,13 +454,25 @@ class NativeBackend(Backend):
                 "with the same recipe (modules_to_ignore, module_filter_fn) as when it was saved."
             )
         for fqn, buffers in state.items():
-            for name in self._STATE_BUFFERS:
-                target, saved = getattr(modules[fqn], name), buffers[name]
-                if target.shape != saved.shape:
+            module = modules[fqn]
+            for name in STATE_BUFFERS:
+                target = getattr(module, name)
+                saved = buffers.get(name)
+                if saved is None and name == "fp8_amax_recorded":  # saved before fp8plug recorded amaxes
+                    saved = torch.full_like(target, NOT_RECORDED)
+                if saved is None or target.shape != saved.shape:
+                    found = "is missing" if saved is None else f"has shape {tuple(saved.shape)}"
                     raise ValueError(
-                        f"native FP8 state: {fqn}.{name} has shape {tuple(saved.shape)} in the checkpoint "
-                        f"but {tuple(target.shape)} here; use the same amax_history_len and scaling "
+                        f"native FP8 state: {fqn}.{name} {found} in the checkpoint but has shape "
+                        f"{tuple(target.shape)} here; use the same amax_history_len and scaling "
                         "as when it was saved."
                     )
                 target.copy_(saved)
-            modules[fqn].fp8_started = bool(modules[fqn].fp8_step.max() > 0)
+            module.fp8_started = tuple(bool(n > 0) for n in module.fp8_step.tolist())
+
+
+def ignore_in_ddp(model: nn.Module, names: List[str]) -> None:
+    """Add buffer names (relative to `model`) to those DistributedDataParallel leaves alone: DDP
+    reads `_ddp_params_and_buffers_to_ignore` from the module it wraps."""
+    known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]

@@ -1,0 +1,128 @@
+"""Per-tensor FP8 scaling: amax, scale, quantize, and delayed scaling's once-per-step update.
+
+Delayed scaling follows TransformerEngine's DelayedScaling. During a step a module only *records*
+the amax of each tensor it casts (the maximum over every call: a layer used twice, a checkpointed
+forward recomputed in backward, several forwards before one backward all record into one slot)
+and casts with the scale decided at the end of the previous step. Once per step
+(`fold_delayed_scaling`, called after the optimizer step) the recorded amaxes are reduced (max)
+across the data-parallel ranks in one collective for the whole model, pushed into each tensor's
+amax history, and the scales are recomputed from it. So every rank casts with the same scale, the
+history advances once per step however often a layer ran, and the scales a recompute uses are
+those of the original forward.
+
+A step whose amax is NaN or infinite (an overflowing batch that the loss scaler or the user
+skips) leaves history and scale untouched, so the next good step scales as if it never happened.
+Scales are kept inside float32's normal range, so a tiny or zero amax gives finite values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+# The largest scale kept: 2**126, so that the reciprocal `torch._scaled_mm` is given stays a
+# normal float32 (2**-126); a scale of float32's max would hand it a subnormal, which GPU kernels
+# may flush to zero. TransformerEngine clamps at float32's max for the same reason (no inf).
+SCALE_MAX = 2.0**126
+# What an amax slot holds when nothing was recorded in the step (a real amax is >= 0).
+NOT_RECORDED = -1.0
+
+
+def amax_of(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a float32 scalar (NaN if `t` holds a NaN). Reduced row by row first: a row
+    reduction walks the tensor the way the FP8 cast does, so the compiler can compute both in one
+    read (delayed scaling)."""
+    t = t.detach().abs()
+    if t.dim() >= 2:
+        t = t.amax(dim=-1)
+    return t.amax().float()
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int = 0, fallback=None) -> torch.Tensor:
+    """TransformerEngine's formula, scale = fp8_max / amax / 2**margin, at most SCALE_MAX; where
+    amax is zero, negative (not recorded) or not finite, `fallback` (or 1) is kept instead."""
+    scale = (fp8_max / amax / (2.0**margin)).clamp(max=SCALE_MAX)
+    keep = fallback if fallback is not None else torch.ones_like(scale)
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale, saturate to the format's range, and cast to FP8."""
+    limit = FP8_MAX[dtype]
+    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def record_amax(recorded: torch.Tensor, amax: torch.Tensor) -> None:
+    """Fold this call's amax into the step's recorded amax, in place (max; NaN sticks, so a bad
+    step is recognised when the step ends)."""
+    recorded.copy_(torch.maximum(recorded, amax))
+
+
+@dataclass(frozen=True)
+class DelayedSettings:
+    """The recipe fields one delayed-scaling update needs; modules with equal settings are updated
+    together in one batch."""
+
+    fp8_max: tuple  # per slot (input, weight, grad_output)
+    margin: int
+    interval: int
+    algo: str  # "max" or "most_recent"
+
+
+def fold_delayed_scaling(history, scale, step, amax, settings: DelayedSettings):
+    """One end-of-step update for a batch of modules' states, returning new tensors.
+
+    history: (n, L, 3) amax histories, newest first; scale: (n, 3); step: (n, 3) int64 count of
+    good steps per slot; amax: (n, 3) this step's reduced amaxes, negative where there is nothing
+    to fold (not recorded, or NaN/inf somewhere). A slot with a good amax pushes it into its
+    history; its scale is recomputed from the history on its first good step and then every
+    `interval` good steps (the newest entry for "most_recent", the maximum for "max").
+    """
+    good = amax >= 0
+    rolled = torch.cat([amax.unsqueeze(1), history[:, :-1]], dim=1)
+    history = torch.where(good.unsqueeze(1), rolled, history)
+    step = step + good.long()
+    reduced = history[:, 0] if settings.algo == "most_recent" else history.amax(dim=1)
+    fp8_max = torch.tensor(settings.fp8_max, dtype=torch.float32, device=amax.device)
+    recomputed = scale_from_amax(reduced, fp8_max, settings.margin, fallback=scale)
+    due = good & ((step == 1) | (step % settings.interval == 0))
+    scale = torch.where(due, recomputed, scale)
+    return history, scale, step
+
+
+def encode_for_reduction(recorded: torch.Tensor) -> torch.Tensor:
+    """Recorded amaxes with NaN/inf turned into NOT_RECORDED, so that a max across ranks ignores
+    a rank whose step went bad (as TransformerEngine's amax reduction ignores NaN) and a slot bad
+    on every rank stays negative, which the fold skips."""
+    return torch.where(torch.isfinite(recorded), recorded, torch.full_like(recorded, NOT_RECORDED))
+
+
+def reduce_across_ranks(amaxes: torch.Tensor, group=None) -> torch.Tensor:
+    """Max of `amaxes` over the ranks of `group` (the default group when None), in place: one
+    collective, whatever the number of modules. A no-op in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    return amaxes
+
+
+def write_back(targets: Sequence[torch.Tensor], rows: torch.Tensor) -> None:
+    """Copy row i of `rows` into targets[i] in place, with as few kernel launches as torch allows."""
+    sources: List[torch.Tensor] = list(rows.unbind(0))
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(targets), sources)
+    else:  # pragma: no cover - older torch
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+
+
+def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(tensors))
+
+
