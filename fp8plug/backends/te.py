@@ -124,6 +124,8 @@ def plan_te_recipe(recipe, scaling: str, fields: Mapping[str, frozenset], te_ver
             margin=recipe.margin, fp8_format=recipe.fp8_format, amax_history_len=recipe.amax_history_len,
             amax_compute_algo=recipe.amax_compute_algo,
         )
+        if not getattr(recipe, "reduce_amax", True) and "reduce_amax" in have:
+            kwargs["reduce_amax"] = False  # TE's own switch: amaxes reduced across the fp8 group or not
         if recipe.interval != 1:
             if "interval" in have:
                 kwargs["interval"] = recipe.interval
