@@ -79,6 +79,14 @@ def fresh():
     GradientState._reset_state()
 
 
+def test_import_fp8plug_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, fp8plug; sys.exit(1 if 'transformers' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_trains_in_fp8_with_fp8plugs_accelerator(tmp_path):
     trainer = FP8Trainer(model=tiny_llama(), args=arguments(tmp_path), train_dataset=Counting(24),
                          fp8_recipe=FP8RecipeKwargs(backend="native"))
