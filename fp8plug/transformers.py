@@ -67,8 +67,8 @@ class FP8TrainerMixin:
             super().create_accelerator_and_postprocess()
         if not isinstance(self.accelerator, Accelerator):
             raise TypeError(
-                f"{type(self).__name__}: the Trainer class built a {type(self.accelerator).__name__} itself "
-                "instead of going through transformers.Trainer.create_accelerator_and_postprocess; put "
+                f"{type(self).__name__}: the Trainer class built its accelerator ({type(self.accelerator).__name__}) "
+                "itself instead of through transformers.Trainer.create_accelerator_and_postprocess; put "
                 "FP8TrainerMixin first among the base classes, or build fp8plug.Accelerator there yourself."
             )
         self.fp8_recipe = self.accelerator.fp8_recipe

@@ -142,7 +142,7 @@ def _batches(dataset, size):
 
 
 @pytest.mark.parametrize("backend", ["native", "ao"])
-def test_resume_from_checkpoint_continues_exactly(tmp_path, backend):
+def test_resume_from_checkpoint_continues_exactly(tmp_path, backend, caplog):
     data = Counting(12)  # 3 steps per epoch: the checkpoint at step 4 is mid-epoch
 
     def run(out, resume=None, drop_fp8_state=False):
@@ -164,8 +164,10 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, backend):
     for key, value in full_weights.items():
         assert torch.equal(resumed_weights[key], value), key
     if backend == "native":  # control: delayed scaling's state is what makes it exact
-        without, _ = run(tmp_path / "without", resume=checkpoint, drop_fp8_state=True)
+        with caplog.at_level("WARNING", logger="fp8plug"):
+            without, _ = run(tmp_path / "without", resume=checkpoint, drop_fp8_state=True)
         assert without != full_losses
+        assert "has no fp8_state.pt" in caplog.text and "starts afresh" in caplog.text
 
 
 def test_evaluate_before_train_still_trains_in_fp8(tmp_path):
@@ -253,3 +255,17 @@ def test_two_cpu_processes_under_accelerate_launch(tmp_path):
         assert result["reloaded_same_logits"] and result["fp8_state_saved"]
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_a_subclass_that_builds_its_own_accelerator_is_refused(tmp_path):
+    import accelerate
+
+    class BuildsItsOwn(Trainer):
+        def create_accelerator_and_postprocess(self):
+            self.accelerator = accelerate.Accelerator(cpu=True)
+
+    class FP8BuildsItsOwn(FP8TrainerMixin, BuildsItsOwn):
+        pass
+
+    with pytest.raises(TypeError, match="built its accelerator \\(Accelerator\\) itself"):
+        FP8BuildsItsOwn(model=tiny_llama(), args=arguments(tmp_path), fp8_recipe=FP8RecipeKwargs(backend="native"))
