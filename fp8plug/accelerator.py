@@ -104,11 +104,14 @@ class Accelerator(accelerate.Accelerator):
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
         self._fp8_step_hooks: Dict[tuple, object] = {}
+        # the converted models' FP8 scaling state: save_state writes it; Trainer checkpoints store its state_dict()
+        self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
             self.fp8_selection = select_backend(recipe.backend, device=self.device)
             self.fp8_engine = self.fp8_selection.backend
             self.fp8_engine.scaling_name(recipe)  # a bad `scaling` fails here, not mid-prepare
-            self.register_for_checkpointing(FP8CheckpointState(self.fp8_engine, self._fp8_models))
+            self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models)
+            self.register_for_checkpointing(self.fp8_checkpoint_state)
 
     # what accelerate sees -------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ wrapping twice replaces the first wrapper instead of nesting.
 from __future__ import annotations
 
 import functools
+import inspect
 from types import MethodType
 from typing import Optional
 
@@ -56,8 +57,29 @@ def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: boo
             return original(*args, **kwargs)
 
     forward.__wrapped__ = original
+    forward.__signature__ = _unbound_signature(original)
     setattr(forward, _MARK, True)
     return forward
+
+
+def _unbound_signature(original) -> Optional[inspect.Signature]:
+    """The wrapper's own signature: a leading module parameter, then the original forward's.
+
+    Bound to the module, the wrapper then shows exactly the original bound forward's signature
+    (`(input_ids, labels=None, ...)`); without it `inspect` follows `__wrapped__` to the already
+    bound original and drops its first parameter a second time. Trainer picks dataset columns from
+    that signature, so a lost `input_ids` breaks training. None where the original has no readable
+    signature (then inspect falls back to following `__wrapped__`)."""
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return None
+    names = set(signature.parameters)
+    name = "self"
+    while name in names:  # a forward with a parameter called `self` of its own
+        name = "_" + name
+    module = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+    return signature.replace(parameters=[module, *signature.parameters.values()])
 
 
 def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeKwargs] = None, backend=None) -> nn.Module:

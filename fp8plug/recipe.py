@@ -69,7 +69,7 @@ BOUNDS = {
 # launch exports its argparse default for every field even when nobody set it, so a launch value
 # equal to that default is only trusted when the wizard's name is absent.
 ENV_NAMES = {
-    "backend": ("ACCELERATE_FP8_BACKEND", None),
+    "backend": ("ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_ENGINE"),  # `engine:`: a key accelerate ignores
     "use_autocast_during_eval": ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", None),
     "opt_level": ("ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_OPTIMIZATION_LEVEL"),
     "margin": ("ACCELERATE_FP8_MARGIN", None),

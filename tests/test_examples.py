@@ -68,6 +68,18 @@ def test_hf_llama_under_accelerate_launch_with_the_cpu_config(tmp_path):
     assert result["converted"] == 14 and result["last_loss"] < result["first_loss"]
 
 
+def test_trainer_fp8_trains_saves_and_matches_bf16(tmp_path):
+    result, stdout = example(tmp_path, "trainer_fp8.py", "--steps", "16", "--compare-bf16")
+    assert result["engine"] == "native" and result["device"] == "cpu" and result["processes"] == 1
+    assert result["converted"] == 14 and result["skipped"] == ["lm_head"]
+    assert result["last_loss"] < 0.85 * result["first_loss"]
+    bf16_last = result["bf16_losses"][-1]
+    assert abs(result["last_loss"] - bf16_last) < 0.03 * bf16_last  # FP8 tracks plain Trainer in bf16
+    # the checkpoint loads into plain transformers: tie kept, same logits; FP8 state saved beside it
+    assert result["reloaded_same_logits"] and result["reloaded_tied"] and result["fp8_state_saved"]
+    assert "skipped   lm_head: listed in modules_to_ignore" in stdout  # the ConversionReport is printed
+
+
 def test_convert_by_hand(tmp_path):
     result, stdout = example(tmp_path, "convert_by_hand.py", "--steps", "20")
     assert result["engine"] == "native"

@@ -1,0 +1,198 @@
+"""Hugging Face `transformers.Trainer` training in FP8 with any fp8plug engine.
+
+Trainer builds its own `accelerate.Accelerator` inside `create_accelerator_and_postprocess`, from
+`TrainingArguments`, which cannot carry a kwargs handler. `FP8TrainerMixin` has Trainer build
+`fp8plug.Accelerator` there instead, with mixed precision "fp8" and the recipe given as
+`fp8_recipe=` (or read from `accelerate launch`'s environment), and leaves everything else to the
+Trainer class it is mixed into. From then on the Accelerator does the FP8 work: `prepare` converts
+the model before DDP/FSDP2 wrapping, training runs the converted Linears in FP8 and the rest in
+bf16, and eval mode runs in high precision (unless the recipe's `use_autocast_during_eval`).
+
+What the mixin adds to Trainer's own checkpoints: each checkpoint folder also holds
+`fp8_state.pt`, the engine's FP8 scaling state (amax histories, scales), written beside the
+optimizer state by the main process and put back after `prepare` on `resume_from_checkpoint`,
+so a resumed run continues exactly. The model files stay the plain architecture's
+(`save_pretrained`, safetensors, tied weights kept): they load with `from_pretrained` into the
+unconverted model.
+
+transformers is imported only when this module is, never by `import fp8plug`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import transformers
+import transformers.trainer as _trainer_module
+
+from .accelerator import Accelerator
+from .recipe import FP8RecipeKwargs
+
+logger = logging.getLogger("fp8plug")
+
+FP8_STATE_NAME = "fp8_state.pt"
+
+
+class FP8TrainerMixin:
+    """Put in front of any `transformers.Trainer` subclass to train it in FP8:
+    `class MySFT(FP8TrainerMixin, SFTTrainer)`; `FP8Trainer` is the mixin on Trainer itself.
+
+    Takes one keyword more than the Trainer it is mixed into: `fp8_recipe`, an
+    `fp8plug.FP8RecipeKwargs` (default: one read from the `ACCELERATE_FP8_*` environment that
+    `accelerate launch` exports, else fp8plug's defaults: the automatic engine choice).
+
+    `bf16=True` in TrainingArguments is welcome (fp8plug runs bf16 outside the FP8 layers anyway);
+    `fp16=True` is refused. `self.accelerator` is an `fp8plug.Accelerator`: its `fp8_engine`,
+    `fp8_reports` (filled when training starts) and `fp8_recipe` say what runs in FP8.
+    """
+
+    def __init__(self, *args, fp8_recipe: Optional[FP8RecipeKwargs] = None, **kwargs):
+        if fp8_recipe is not None and not isinstance(fp8_recipe, FP8RecipeKwargs):
+            raise TypeError(
+                f"{type(self).__name__}(fp8_recipe=...): expected an fp8plug.FP8RecipeKwargs, got "
+                f"{type(fp8_recipe).__name__}; build one with fp8plug.FP8RecipeKwargs(backend=..., ...)."
+            )
+        self.fp8_recipe = fp8_recipe  # read by create_accelerator_and_postprocess, during __init__
+        super().__init__(*args, **kwargs)
+
+    # the Accelerator ---------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's own setup, with `fp8plug.Accelerator` built where it builds accelerate's."""
+        with _trainer_builds(self._build_fp8_accelerator):
+            super().create_accelerator_and_postprocess()
+        if not isinstance(self.accelerator, Accelerator):
+            raise TypeError(
+                f"{type(self).__name__}: the Trainer class built its accelerator ({type(self.accelerator).__name__}) "
+                "itself instead of through transformers.Trainer.create_accelerator_and_postprocess; put "
+                "FP8TrainerMixin first among the base classes, or build fp8plug.Accelerator there yourself."
+            )
+        self.fp8_recipe = self.accelerator.fp8_recipe
+
+    def _build_fp8_accelerator(self, *args, **kwargs) -> Accelerator:
+        """What Trainer's `Accelerator(**kwargs)` call makes instead: fp8plug's, in FP8."""
+        precision = str(getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))).lower()
+        if precision == "fp16":
+            raise ValueError(
+                f"{type(self).__name__}: TrainingArguments(fp16=True) (or mixed precision fp16 from "
+                "`accelerate launch`) cannot combine with FP8 training, which runs bf16 outside the FP8 "
+                "layers; drop fp16=True (bf16=True is fine)."
+            )
+        if kwargs.get("deepspeed_plugin") is not None:
+            raise ValueError(
+                f"{type(self).__name__}: DeepSpeed is not supported for FP8 training through fp8plug; "
+                "use DDP or FSDP2 (docs/distributed.md), or train without the DeepSpeed config."
+            )
+        kwargs["mixed_precision"] = "fp8"
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if self.fp8_recipe is not None:
+            handlers.append(self.fp8_recipe)
+        kwargs["kwargs_handlers"] = handlers
+        return Accelerator(*args, **kwargs)
+
+    # training ----------------------------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Trainer's `_wrap_model`. Before training, a model that `evaluate()` prepared for
+        evaluation only (accelerate then marks it prepared, so `prepare` would skip its FP8
+        conversion) gets that evaluation-only preparation undone first."""
+        if training:
+            _undo_evaluation_prepare(self.accelerator, self.model)
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    # checkpoints -------------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's optimizer and scheduler files, plus the FP8 scaling state beside them."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        state = self.accelerator.fp8_checkpoint_state
+        if state is None or not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(state.state_dict(), os.path.join(output_dir, FP8_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """Trainer's optimizer and scheduler, plus the FP8 scaling state (the model is converted
+        by now: Trainer calls this after `prepare`)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        state = self.accelerator.fp8_checkpoint_state
+        if checkpoint is None or state is None:
+            return
+        path = os.path.join(checkpoint, FP8_STATE_NAME)
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s (a checkpoint written without FP8, or by another trainer): the FP8 scaling "
+                "state starts afresh, so the resumed run will not match one that never stopped.",
+                checkpoint, FP8_STATE_NAME,
+            )
+            return
+        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    # logging -----------------------------------------------------------------------------------
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        """Trainer's log, with the FP8 coverage the Accelerator reports (if it offers
+        `fp8_coverage()`) added as `fp8/<name>` entries."""
+        coverage = getattr(self.accelerator, "fp8_coverage", None)
+        if callable(coverage):
+            for key, value in _flatten(coverage() or {}, "fp8").items():
+                logs.setdefault(key, value)
+        super().log(logs, *args, **kwargs)
+
+
+class FP8Trainer(FP8TrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` training in FP8 through fp8plug: the same arguments, plus
+    `fp8_recipe=fp8plug.FP8RecipeKwargs(...)` (see FP8TrainerMixin)."""
+
+
+@contextlib.contextmanager
+def _trainer_builds(factory):
+    """Within the block, transformers.trainer's `Accelerator` name is `factory`.
+
+    Trainer.create_accelerator_and_postprocess calls `Accelerator(**args)` on the name its module
+    imported, and does a good deal of setup around that call (gradient accumulation, dataloader
+    and FSDP settings, DeepSpeed, checks) that should stay Trainer's own; this swaps only the one
+    call. The name is put back whatever happens."""
+    if not hasattr(_trainer_module, "Accelerator"):
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: transformers.trainer has no `Accelerator` to swap "
+            "for fp8plug's; this transformers version is not supported by fp8plug.transformers."
+        )
+    original = _trainer_module.Accelerator
+    _trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        _trainer_module.Accelerator = original
+
+
+def _undo_evaluation_prepare(accelerator: Accelerator, model) -> None:
+    """If `model` was prepared with `prepare_model(model, evaluation_mode=True)` but not converted,
+    take it back to unprepared: the bf16 autocast wrapper off its forward, the prepared mark off,
+    out of the accelerator's model list. Trainer's evaluation loop does that preparation when it
+    runs before any training; without this, training would then run the model in bf16."""
+    if model is None or not getattr(model, "_is_accelerate_prepared", False):
+        return
+    if accelerator.fp8_engine is None or any(model is m for m in accelerator._fp8_models):
+        return
+    original = model.__dict__.pop("_original_forward", None)
+    if original is not None:
+        model.forward = original
+    del model._is_accelerate_prepared
+    accelerator._models[:] = [m for m in accelerator._models if m is not model]
+
+
+def _flatten(values: Mapping[str, Any], prefix: str) -> Dict[str, float]:
+    """{"a": 1, "b": {"c": 2}} -> {"prefix/a": 1, "prefix/b/c": 2}; numbers only (what loggers take)."""
+    out: Dict[str, float] = {}
+    for key, value in values.items():
+        name = f"{prefix}/{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name))
+        elif isinstance(value, numbers.Number):
+            out[name] = value
+    return out
+
+
+__all__ = ["FP8_STATE_NAME", "FP8Trainer", "FP8TrainerMixin"]
