@@ -13,7 +13,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 source .gpu/install.sh >/dev/null 2>"$OUT/kit.log" || { cat "$OUT/kit.log"; exit 1; }
 python3 -c "import torch, transformer_engine, torchao; print('device', torch.cuda.get_device_name(), 'torch', torch.__version__, 'TE', transformer_engine.__version__, 'torchao', torchao.__version__)"
 LLAMA_A=bf16-compiled,accelerate-ao-compiled,accelerate-ao-noag-compiled,fp8plug-ao-compiled
-LLAMA_B=bf16-eager,accelerate-te-eager,fp8plug-eager,fp8plug-native-eager,fp8plug-ao-eager,fp8plug-te-eager,fp8plug-native-compiled
+LLAMA_B=fp8plug-native-compiled,bf16-eager,accelerate-te-eager,fp8plug-eager,fp8plug-native-eager,fp8plug-ao-eager,fp8plug-te-eager
 LLAMA_C=fp8plug-compiled,fp8plug-te-compiled,accelerate-te-compiled
 llama() {  # llama PART ROWS: one part of the table, JSON and log in $OUT, the table on stdout
   python3 benchmarks/hf_llama.py --rows "$2" --deadline 520 --timeout 300 --json "$OUT/hf_llama_$1.json" \
