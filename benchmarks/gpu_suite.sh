@@ -4,12 +4,21 @@
 # Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
 # profile (top kernels), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter
 # is calibrated on), train (probe-model training step), train-1b (the 1b model, filter on and off),
-# sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests).
+# sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests),
+# llama-a, llama-b, llama-c (benchmarks/hf_llama.py, the Hugging Face Llama table of issue 15, in
+# three parts of under 9 minutes each; `llama` runs all three and merges them, about 25 minutes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source .gpu/install.sh >/dev/null 2>"$OUT/kit.log" || { cat "$OUT/kit.log"; exit 1; }
 python3 -c "import torch, transformer_engine, torchao; print('device', torch.cuda.get_device_name(), 'torch', torch.__version__, 'TE', transformer_engine.__version__, 'torchao', torchao.__version__)"
+LLAMA_A=bf16-compiled,accelerate-ao-compiled,accelerate-ao-noag-compiled,fp8plug-ao-compiled
+LLAMA_B=fp8plug-native-compiled,bf16-eager,accelerate-te-eager,fp8plug-eager,fp8plug-native-eager,fp8plug-ao-eager,fp8plug-te-eager
+LLAMA_C=fp8plug-compiled,fp8plug-te-compiled,accelerate-te-compiled
+llama() {  # llama PART ROWS: one part of the table, JSON and log in $OUT, the table on stdout
+  python3 benchmarks/hf_llama.py --rows "$2" --deadline 520 --timeout 300 --json "$OUT/hf_llama_$1.json" \
+    2>"$OUT/hf_llama_$1.log"
+}
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
@@ -28,6 +37,11 @@ for stage in "$@"; do
     sdpa) (cd benchmarks && for p in fp8plug raw; do python3 sdpa_choice.py --paths $p --layers 2 --compile blocks; done) 2>&1 | grep "==\|compiled step" ;;
     optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;
     dist) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -30 ;;
+    llama-a) llama a "$LLAMA_A" ;;
+    llama-b) llama b "$LLAMA_B" ;;
+    llama-c) llama c "$LLAMA_C" ;;
+    llama) llama a "$LLAMA_A" >/dev/null; llama b "$LLAMA_B" >/dev/null; llama c "$LLAMA_C" >/dev/null
+           python3 benchmarks/hf_llama.py --table "$OUT"/hf_llama_{a,b,c}.json --json "$OUT/hf_llama.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,0 +1,481 @@
+"""Training a Hugging Face LlamaForCausalLM: bf16, Accelerate's own FP8 and fp8plug, side by side.
+
+The model is a transformers `LlamaForCausalLM` built from a config (no download), trained the way
+a user of Accelerate trains it: fp32 master weights, `Accelerator(mixed_precision=...)` (bf16
+autocast around the forward), fused AdamW with a linear warm-up, `accelerator.backward`. Every
+row changes only the Accelerator:
+
+  bf16                    accelerate.Accelerator(mixed_precision="bf16")
+  accelerate-ao           accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+  accelerate-ao-noag      the same with AORecipeKwargs(enable_fsdp_float8_all_gather=False): see BASES
+  accelerate-te           the same with TERecipeKwargs()
+  fp8plug                 fp8plug.Accelerator(mixed_precision="fp8")   (the automatic engine choice)
+  fp8plug-native|ao|te    fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=...)])
+
+each `-eager` or `-compiled`; compiled = the whole model under torch.compile through the
+Accelerator's own `dynamo_backend="inductor"`, the same mechanism for every row. Each row runs in
+its own process (this script with --row), so memory, compile caches and engine globals cannot
+leak between rows. All rows train on the same data from the same initial weights.
+
+Reported per row: tokens/s (from the median step time over the steps after the warm-up, CUDA
+events), peak memory (torch.cuda.max_memory_allocated over the whole process), time from process
+start to the end of the first training step (imports, model construction, compilation included)
+and to the end of the warm-up (later recompilations included), and the loss after the last step
+(mean over the last 10 steps) on a learnable synthetic task with a known floor (see
+`make_batches`). Ratios are against bf16-compiled (bf16-eager where that did not run). The JSON
+also holds the loss curve, the engine, how many modules run in FP8, how many dynamo graphs were
+compiled (more than one: a recompilation) and `params_not_stepped`, the trainable parameters no
+optimizer holds (a path that leaves weights untrained is not faster for a good reason).
+
+    python3 benchmarks/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
+    python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
+    python3 benchmarks/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
+    python3 benchmarks/hf_llama.py --table a.json b.json                  # merge runs into one table
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()  # what --row uses when its parent did not pass --t0
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _path in (str(ROOT), str(HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from train_step import count_fp8_modules  # noqa: E402
+
+PRESETS = {
+    # the model of issue 15
+    "llama": dict(layers=4, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, seq=2048, batch=4),
+    # DESIGN.md's probe decoder (ffn 16384, no grouped-query attention), as a LlamaForCausalLM
+    "probe": dict(layers=4, hidden=4096, intermediate=16384, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=4),
+    # CPU smoke size: every Linear width a multiple of 16 so that every engine converts it
+    "toy": dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=64, batch=2),
+}
+# row base -> (which Accelerator, mixed precision, engine, recipe arguments); the engine of
+# "fp8plug" is its own choice. accelerate-ao-noag: AORecipeKwargs' default turns on FSDP2's float8
+# all-gather, which wraps each converted weight in a new Parameter that an optimizer created
+# before prepare() never sees (those weights are then never updated: `params_not_stepped`);
+# turning it off, as one GPU allows, keeps the Parameters.
+BASES = {
+    "bf16": ("accelerate", "bf16", None, {}),
+    "accelerate-ao": ("accelerate", "fp8", "ao", {}),
+    "accelerate-ao-noag": ("accelerate", "fp8", "ao", dict(enable_fsdp_float8_all_gather=False)),
+    "accelerate-te": ("accelerate", "fp8", "te", {}),
+    "fp8plug": ("fp8plug", "fp8", None, {}),
+    "fp8plug-native": ("fp8plug", "fp8", "native", {}),
+    "fp8plug-ao": ("fp8plug", "fp8", "ao", {}),
+    "fp8plug-te": ("fp8plug", "fp8", "te", {}),
+}
+MODES = ("eager", "compiled")
+ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
+DEFAULT_ROWS = [row for row in ALL_ROWS if row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager")]
+REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
+LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps
+ALPHABET, NOISE = 1024, 0.1  # the synthetic task (make_batches)
+
+
+# --- the task -------------------------------------------------------------------------------------
+
+
+def make_batches(spec: dict, steps: int, seed: int = 1234):
+    """`steps` batches of a learnable task: each sequence walks a fixed random permutation of the
+    first min(vocab, 1024) token ids (next = perm[previous]), except that with probability 0.1 a
+    token is drawn afresh. A bigram model can learn it; its loss floor (`loss_floor`) is known, so
+    a loss is meaningful in absolute terms. Vectorised: the token at i is perm applied (i - j)
+    times to the fresh draw at j, the last fresh position <= i."""
+    import torch
+
+    k, batch, seq = min(spec["vocab"], ALPHABET), spec["batch"], spec["seq"]
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(k, generator=gen)
+    powers = torch.empty(seq, k, dtype=torch.long)
+    powers[0] = torch.arange(k)
+    for i in range(1, seq):
+        powers[i] = perm[powers[i - 1]]
+    n = steps * batch
+    fresh = torch.rand(n, seq, generator=gen) < NOISE
+    fresh[:, 0] = True
+    draws = torch.randint(k, (n, seq), generator=gen)
+    pos = torch.arange(seq).expand(n, seq)
+    last = torch.where(fresh, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return powers[pos - last, draws.gather(1, last)].view(steps, batch, seq)
+
+
+def loss_floor(spec: dict) -> float:
+    """The cross-entropy (nats) of the best possible predictor of make_batches' tokens."""
+    k = min(spec["vocab"], ALPHABET)
+    hit, miss = 1 - NOISE + NOISE / k, NOISE / k
+    return -(hit * math.log(hit) + (k - 1) * miss * math.log(miss))
+
+
+# --- one row, in its own process ------------------------------------------------------------------------
+
+
+def build_model(spec: dict, device):
+    """LlamaForCausalLM from a config, fp32 weights built directly on `device`, seed 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
+        tie_word_embeddings=False, use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.train()
+
+
+def unavailable(row: str, device) -> str:
+    """Why `row` cannot run on `device` ('' if it can). Accelerate's rows are judged by Accelerate's
+    own checks (which import nothing), fp8plug's by fp8plug's engine choice."""
+    kind, _, engine, _ = BASES[row.rsplit("-", 1)[0]]
+    if kind == "accelerate":
+        from accelerate.utils import is_torchao_available, is_transformer_engine_available
+
+        if engine == "ao" and not is_torchao_available():
+            return "torchao >= 0.6.1 is not installed"
+        if engine == "te" and not is_transformer_engine_available():
+            return "transformer_engine is not installed"
+        if engine == "te" and device.type != "cuda":
+            return "Accelerate's TransformerEngine path needs a CUDA GPU"
+        return ""
+    from fp8plug.backends import BackendUnavailableError, judge, select_backend
+    from fp8plug.hardware import device_info
+
+    if engine is not None:
+        verdict = judge(engine, device_info(device))
+        return "" if verdict.usable else verdict.reason
+    try:
+        select_backend(None, device)
+    except BackendUnavailableError as exc:
+        return str(exc).splitlines()[0]
+    return ""
+
+
+def setup(row: str, spec: dict, device, steps: int, lr: float):
+    """The Accelerator of `row`, and the model, optimizer and scheduler it prepared."""
+    import accelerate
+    import torch
+
+    base, mode = row.rsplit("-", 1)
+    kind, precision, engine, options = BASES[base]
+    handlers = []
+    if kind == "accelerate" and engine == "ao":
+        handlers = [accelerate.utils.AORecipeKwargs(**options)]
+    elif kind == "accelerate" and engine == "te":
+        handlers = [accelerate.utils.TERecipeKwargs(**options)]
+    elif engine is not None:
+        import fp8plug
+
+        handlers = [fp8plug.FP8RecipeKwargs(backend=engine, **options)]
+    if kind == "fp8plug":
+        import fp8plug
+
+        cls = fp8plug.Accelerator
+    else:
+        cls = accelerate.Accelerator
+    accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
+                      dynamo_backend="inductor" if mode == "compiled" else "no")
+    model = build_model(spec, accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=accelerator.device.type == "cuda")
+    warmup = max(1, steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float) -> dict:
+    """Train `row` for `steps` steps; its numbers, or `error` saying why it could not."""
+    import torch
+
+    result = dict(row=row, tokens_per_s=None, step_ms=None, peak_gb=None, first_step_s=None, warm_s=None,
+                  loss=None, loss_floor=loss_floor(spec), loss_curve=None, engine=None, fp8_modules=None,
+                  params_not_stepped=None, dynamo_graphs=None, device=None, error=None)
+    try:
+        device = torch.device(device_name if device_name != "auto" else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        why = unavailable(row, device)
+        if why:
+            result["error"] = f"unavailable: {why}"
+            return result
+        result.update(train(row, spec, steps, warmup, lr, device, t0))
+    except Exception as exc:  # noqa: BLE001 - a row that fails is a row with its reason
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        result["error"] = f"{type(exc).__name__}: {first}"
+        traceback.print_exc()
+    return result
+
+
+def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float) -> dict:
+    import torch
+    from torch._dynamo.utils import counters
+
+    cuda = device.type == "cuda"
+    accelerator, model, optimizer, scheduler = setup(row, spec, device, steps, lr)
+    data = make_batches(spec, steps).to(accelerator.device)
+    engine = getattr(accelerator, "fp8_engine", None)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    not_stepped = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in stepped)
+    out = dict(engine=engine.name if engine is not None else BASES[row.rsplit("-", 1)[0]][2],
+               fp8_modules=count_fp8_modules(model), params_not_stepped=not_stepped)
+    if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
+        raise RuntimeError("no module was converted to FP8")
+    marks, losses = [], []
+
+    def mark():  # the end of a step: a CUDA event on the GPU (no sync), the clock on the CPU
+        if cuda:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        else:
+            marks.append(time.perf_counter())
+
+    mark()
+    for i in range(steps):
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        mark()
+        if i in (0, warmup - 1):
+            if cuda:
+                torch.cuda.synchronize()
+            out.setdefault("first_step_s", time.time() - t0)
+            if i == warmup - 1:
+                out["warm_s"] = time.time() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    else:
+        ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    out["step_ms"] = statistics.median(ms[warmup:])
+    out["tokens_per_s"] = spec["batch"] * spec["seq"] / (out["step_ms"] / 1e3)
+    curve = torch.stack(losses).float().cpu().tolist()
+    out["loss"] = sum(curve[-LOSS_WINDOW:]) / len(curve[-LOSS_WINDOW:])
+    shown = sorted(set(range(0, steps, max(1, steps // 20))) | {steps - 1})
+    out["loss_curve"] = {str(i + 1): round(curve[i], 4) for i in shown}
+    out["dynamo_graphs"] = counters["stats"].get("unique_graphs", 0)
+    if not math.isfinite(out["loss"]):
+        raise FloatingPointError(f"loss is {out['loss']} after {steps} steps")
+    return out
+
+
+# --- the parent: one process per row, the table ----------------------------------------------------
+
+
+def spawn(row: str, args, timeout: float) -> dict:
+    """run_row in a fresh process of this script (its own process group, so that a timeout also
+    ends its compile workers); a crash or timeout is an error row. Unless --warm-cache, the row
+    compiles with empty inductor and triton caches, so its first-step time is a first run's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "row.json"
+        sizes = [x for key, value in args.spec.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--row", row, "--json", str(path), *sizes,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
+               "--device", args.device, "--t0", str(time.time())]
+        env = dict(os.environ)
+        if not args.warm_cache:
+            env.update(TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                                env=env, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            sys.stderr.write(err[-2000:])
+            return dict(row=row, error=f"timed out after {timeout:.0f} s")
+        if path.exists():
+            result = json.loads(path.read_text())["rows"][0]
+            if result.get("error") and not result["error"].startswith("unavailable"):
+                sys.stderr.write(err[-3000:])
+            return result
+        sys.stderr.write(err[-3000:])
+        tail = " | ".join(err.strip().splitlines()[-2:])[-300:]
+        return dict(row=row, error=f"process exited {proc.returncode}: {tail}")
+
+
+def summarize(rows: list) -> str:
+    """Add `speedup` and `loss_vs_ref_pct` against the reference row to each row; return its name."""
+    ok = {r["row"]: r for r in rows if r.get("tokens_per_s")}
+    reference = next((name for name in REFERENCES if name in ok), None)
+    for r in rows:
+        ref = ok.get(reference)
+        good = ref is not None and r.get("tokens_per_s")
+        r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if good else None
+        r["loss_vs_ref_pct"] = (r["loss"] / ref["loss"] - 1) * 100 if good and r.get("loss") else None
+    return reference
+
+
+def table(meta: dict, rows: list) -> str:
+    def f(value, spec, suffix=""):
+        return "-" if value is None else format(value, spec) + suffix
+
+    s = meta["spec"]
+    ref = meta.get("reference") or "bf16"
+    lines = [
+        f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
+        f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
+        f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}",
+        f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+        f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        note = (r.get("error") or "").replace("|", "/")
+        if r.get("params_not_stepped"):
+            note = f"{r['params_not_stepped'] / 1e6:.1f}M parameters not in the optimizer (never updated) {note}"
+        lines.append(
+            f"| {r['row']} | {r.get('engine') or '-'} | {f(r.get('tokens_per_s'), ',.0f')} | "
+            f"{f(r.get('speedup'), '.2f', 'x')} | {f(r.get('peak_gb'), '.1f')} | "
+            f"{f(r.get('first_step_s'), '.1f')} | {f(r.get('warm_s'), '.1f')} | {f(r.get('loss'), '.4f')} | "
+            f"{f(r.get('loss_vs_ref_pct'), '+.2f', '%')} | {note.strip()} |")
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def parse_rows(text: str) -> list:
+    names = {"default": DEFAULT_ROWS, "all": ALL_ROWS}
+    rows = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part not in names and part not in ALL_ROWS:
+            raise SystemExit(f"--rows: unknown row {part!r}; use 'default', 'all' or any of: {', '.join(ALL_ROWS)}")
+        rows += [r for r in names.get(part, [part]) if r not in rows]
+    if not rows:
+        raise SystemExit("--rows: no row given")
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama", help="model and batch size (default llama)")
+    for key in PRESETS["llama"]:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"override the preset's {key}")
+    p.add_argument("--rows", default="default", help="comma list of rows, 'default' (every row but "
+                   "accelerate-ao-eager) or 'all'; rows: " + ", ".join(ALL_ROWS))
+    p.add_argument("--steps", type=int, default=200, help="training steps per row (default 200)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: a tenth of --steps, 1..10)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate, linear warm-up over a tenth of the steps (default 3e-4; toy 3e-3)")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cuda or cpu")
+    p.add_argument("--timeout", type=float, default=420, help="seconds allowed per row (default 420)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole run: rows that would start later are reported as not run")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="let rows use the usual inductor/triton caches (default: each row compiles from empty ones)")
+    p.add_argument("--json", default=None, help="write meta and rows here (rewritten after each row)")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print one table from earlier --json files (later files win per row) and run nothing")
+    p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
+    p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.spec = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in PRESETS[args.preset].items()}
+    bad = [k for k, v in args.spec.items() if v < 1]
+    if bad or args.steps < 2:
+        p.error(f"--{bad[0] if bad else 'steps'} must be at least {1 if bad else 2}")
+    if args.lr is None:
+        args.lr = 3e-3 if args.preset == "toy" else 3e-4
+    if args.warmup is None:
+        args.warmup = min(10, max(1, args.steps // 10))
+    if not 1 <= args.warmup < args.steps:
+        p.error("--warmup must be at least 1 and below --steps")
+    if args.row is not None and args.row not in ALL_ROWS:
+        p.error(f"--row: unknown row {args.row!r}; rows: {', '.join(ALL_ROWS)}")
+    return args
+
+
+def run_rows(args, meta: dict) -> list:
+    """Each row in its own process, one after the other; the JSON is rewritten after each row so
+    that a run cut short still leaves the rows it finished. Rows that --deadline leaves no time
+    for are reported as not run."""
+    names = parse_rows(args.rows)
+    rows = []
+    for i, row in enumerate(names, 1):
+        left = args.deadline - (time.time() - PROCESS_START) if args.deadline else args.timeout
+        if left < 30:
+            rows.append(dict(row=row, error=f"not run: --deadline {args.deadline:.0f} s reached"))
+            continue
+        print(f"[{i}/{len(names)}] {row} ...", file=sys.stderr, flush=True)
+        rows.append(spawn(row, args, min(args.timeout, left)))
+        r = rows[-1]
+        print(f"    {r.get('error') or 'ok'}: tok/s {r.get('tokens_per_s')}, first step {r.get('first_step_s')} s, "
+              f"loss {r.get('loss')}", file=sys.stderr, flush=True)
+        save(args.json, meta, rows)
+    return rows
+
+
+def merge(paths: list):
+    """The rows of several --json files: per row the last one with numbers, else the last one."""
+    meta, rows = None, {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        meta = meta or data["meta"]
+        for r in data["rows"]:
+            if r.get("tokens_per_s") or not rows.get(r["row"], {}).get("tokens_per_s"):
+                rows[r["row"]] = r
+    meta["command"] = f"{meta['command']} (merged: {', '.join(map(str, paths))})"
+    return meta, list(rows.values())
+
+
+def save(path, meta: dict, rows: list) -> None:
+    meta["device"] = next((r["device"] for r in rows if r.get("device")), meta.get("device"))
+    meta["reference"] = summarize(rows)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meta = dict(spec=args.spec, steps=args.steps, warmup=args.warmup, lr=args.lr, versions=versions(),
+                date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                command="python3 benchmarks/hf_llama.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.row:  # one row, in this process (what the parent's children run)
+        rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START)]
+    elif args.table:
+        meta, rows = merge(args.table)
+    else:
+        rows = run_rows(args, meta)
+    save(args.json, meta, rows)
+    print(table(meta, rows))
+    return 0 if args.row or any(r.get("tokens_per_s") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
