@@ -91,7 +91,11 @@ class Accelerator(accelerate.Accelerator):
             )
         if fp8_on:
             recipe = recipe or FP8RecipeKwargs()
-            arguments["mixed_precision"] = "bf16"  # what runs outside the FP8 Linears
+            # bf16 is what runs outside the FP8 Linears. Where a plain accelerate.Accelerator was
+            # built first in this process (a Trainer's, say), accelerate's shared state already
+            # says "fp8" and refuses any change: keep it, accelerate runs bf16 autocast for "fp8"
+            # too, and `fp8_backend` below keeps its own FP8 code off either way.
+            arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
         arguments["kwargs_handlers"] = handlers
         self._fp8_view_backend = _NO_FP8
         super().__init__(**arguments)
@@ -286,6 +290,15 @@ class Accelerator(accelerate.Accelerator):
         if self.fp8_engine is None or state_dict is None:
             return state_dict
         return plain_state_dict(state_dict, self.fp8_engine)
+
+
+def _shared_precision() -> Optional[str]:
+    """The mixed precision accelerate's process-wide state was fixed at, if any Accelerator was
+    built before this one."""
+    state = accelerate.state.AcceleratorState
+    if not state._shared_state.get("initialized", False) and "_mixed_precision" not in state._shared_state:
+        return None
+    return str(state._shared_state.get("_mixed_precision", "")).lower() or None
 
 
 def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
