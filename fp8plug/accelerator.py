@@ -315,6 +315,7 @@ class FP8EngineName(str):
 
     @property
     def value(self) -> str:
+        """The engine's name, as a plain str."""
         return str(self)
 
     def __repr__(self) -> str:
