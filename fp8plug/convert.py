@@ -34,15 +34,13 @@ NOT_ELIGIBLE = "not eligible"
 SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
 MHA_OUT = "output projections of nn.MultiheadAttention"
 MHA_QKV = "Q/K/V projections of nn.MultiheadAttention"
-MHA_NOTE = ("nn.MultiheadAttention computes its projections from the bare weights in "
-            "F.multi_head_attention_forward, never calling a Linear module, so no engine can run them in FP8")
-MHA_WHY = (
-    "nn.MultiheadAttention: F.multi_head_attention_forward computes the Q/K/V projection from "
-    "in_proj_weight (or q/k/v_proj_weight) and the output projection from out_proj.weight directly, "
-    "never calling a Linear module, so no engine can run them in FP8; they stay in high precision. "
-    "To train attention projections in FP8, build attention from nn.Linear layers (as Hugging Face "
-    "models do)."
+MHA_NOTE = (
+    "F.multi_head_attention_forward computes nn.MultiheadAttention's Q/K/V projection from "
+    "in_proj_weight (or q/k/v_proj_weight) and its output projection from out_proj.weight directly, "
+    "never calling a Linear module, so no engine can run them in FP8"
 )
+MHA_ADVICE = ("they stay in high precision. To train attention projections in FP8, build attention "
+              "from nn.Linear layers (as Hugging Face models do).")
 
 
 @dataclass
@@ -216,7 +214,7 @@ def plan_conversion(
             report.skip(fqn or "<root>", "already converted", ALREADY)
             continue
         if fqn in attention:
-            report.skip(fqn, attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
+            report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
             continue
         check = eligible.get(type(module))
         if check is None:
@@ -252,9 +250,9 @@ def _attention_modules(model: nn.Module) -> Dict[str, str]:
     found = {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
-            found[fqn or "<root>"] = MHA_WHY
+            found[fqn] = f"nn.MultiheadAttention: {MHA_NOTE}; {MHA_ADVICE}"
             found[f"{fqn}.out_proj" if fqn else "out_proj"] = (
-                f"out_proj of nn.MultiheadAttention {fqn or '<root>'!r}: " + MHA_WHY.split(": ", 1)[1]
+                f"out_proj of nn.MultiheadAttention {fqn or '<root>'!r}: {MHA_NOTE}; {MHA_ADVICE}"
             )
     return found
 
