@@ -4,7 +4,8 @@
 # Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
 # profile (top kernels), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter
 # is calibrated on), train (probe-model training step), train-1b (the 1b model, filter on and off),
-# sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests).
+# sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests),
+# odd (the cost of padding odd token counts to FP8's alignment, ao and te).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,6 +29,7 @@ for stage in "$@"; do
     sdpa) (cd benchmarks && for p in fp8plug raw; do python3 sdpa_choice.py --paths $p --layers 2 --compile blocks; done) 2>&1 | grep "==\|compiled step" ;;
     optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;
     dist) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -30 ;;
+    odd) python3 benchmarks/odd_tokens.py --json "$OUT/odd_tokens.json" 2>&1 | grep '^|\|^#' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -438,8 +438,8 @@ _CLASSES: Dict[str, type] = {}
 
 
 def te_linear_class() -> type:
-    """TELinear: te.Linear plus the high-precision fallback for inputs TE's FP8 GEMM rejects and
-    the micro-batch flag. Built on first use (it subclasses a TE class) and reachable as
+    """TELinear: te.Linear plus token padding for inputs TE's FP8 GEMM would reject (and the
+    high-precision path where padding cannot help) and the micro-batch flag. Built on first use (it subclasses a TE class) and reachable as
     `fp8plug.backends.te.TELinear`, so converted models pickle."""
     cls = _CLASSES.get("TELinear")
     if cls is not None:
