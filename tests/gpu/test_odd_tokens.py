@@ -137,7 +137,7 @@ def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(backend):
         gen = torch.Generator().manual_seed(0)
         losses = []
         for length in (31, 33, 7, 127, 31):
-            ids = torch.randint(0, 512, (8, length), generator=gen).to(accelerator.device)
+            ids = torch.randint(0, 512, (3, length), generator=gen).to(accelerator.device)  # 93, 99, 21, 381 tokens
             loss = model(input_ids=ids, labels=ids).loss
             accelerator.backward(loss)
             optimizer.step()
