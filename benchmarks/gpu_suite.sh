@@ -7,6 +7,7 @@
 # sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests),
 # llama-a, llama-b, llama-c (benchmarks/hf_llama.py, the Hugging Face Llama table of issue 15, in
 # three parts of under 9 minutes each; `llama` runs all three and merges them, about 25 minutes).
+# odd (the cost of padding odd token counts to FP8's alignment, ao and te).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -42,6 +43,7 @@ for stage in "$@"; do
     llama-c) llama c "$LLAMA_C" ;;
     llama) llama a "$LLAMA_A" >/dev/null; llama b "$LLAMA_B" >/dev/null; llama c "$LLAMA_C" >/dev/null
            python3 benchmarks/hf_llama.py --table "$OUT"/hf_llama_{a,b,c}.json --json "$OUT/hf_llama.json" ;;
+    odd) python3 benchmarks/odd_tokens.py --json "$OUT/odd_tokens.json" 2>&1 | grep '^|\|^#' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

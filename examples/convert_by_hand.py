@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     plain_keys = set(model.state_dict())
 
     # 1-2: convert in place. "auto" (or None) picks the engine: msamp, te, ao, native, first that runs.
-    # auto_filter=False: on an H100/H200 the default filter would keep these small layers in bf16
+    # convert_model converts every eligible layer (Accelerate's contract); auto_filter=False says so
+    # even where FP8PLUG_AUTO_FILTER=true asks for the speed filter (which keeps small layers in bf16)
     recipe = FP8RecipeKwargs(backend=args.backend, modules_to_ignore=["head"], auto_filter=False)
     report = fp8plug.convert_model(model, recipe=recipe)
     print(report)  # converted up/down; odd skipped (not divisible by 16); head skipped (ignored)

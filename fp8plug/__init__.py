@@ -8,6 +8,7 @@ from .autocast import apply_fp8_autowrap, contextual_fp8_autocast, remove_fp8_au
 from .api import convert_model, has_fp8_layers, has_transformer_engine_layers, sync_fp8_scaling, unconvert_model
 from .backends import BackendUnavailableError, get_backend, select_backend
 from .convert import ConversionError, ConversionReport
+from .coverage import fp8_coverage
 from .recipe import FP8RecipeKwargs
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "contextual_fp8_autocast",
     "convert_model",
     "float8",
+    "fp8_coverage",
     "get_backend",
     "has_fp8_layers",
     "has_transformer_engine_layers",

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import inspect
 import os
+import sys
 from typing import Dict, List, Optional
 
 import accelerate
@@ -34,6 +35,7 @@ from .backends import select_backend
 from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, wrapped_kind
+from .coverage import describe_engine, fp8_coverage, log_conversion
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
 from .roofline import with_auto_filter
@@ -69,9 +71,10 @@ class Accelerator(accelerate.Accelerator):
     `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
 
     Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Backend),
-    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model).
-    `fp8_backend` reports FP8BackendType.NO on purpose: it is what keeps accelerate's own FP8
-    code paths off; use `fp8_engine.name`.
+    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model);
+    `fp8_coverage()` counts what ran in FP8. `fp8_backend` names the engine in use ("native",
+    "ao", "te", "msamp": an FP8EngineName, equal to no FP8BackendType member, so accelerate's
+    own FP8 code stays off), or FP8BackendType.NO without FP8.
     """
 
     def __init__(self, *args, **kwargs):
@@ -97,7 +100,7 @@ class Accelerator(accelerate.Accelerator):
             # too, and `fp8_backend` below keeps its own FP8 code off either way.
             arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
         arguments["kwargs_handlers"] = handlers
-        self._fp8_view_backend = _NO_FP8
+        self._fp8_as_ao = False
         super().__init__(**arguments)
 
         self.fp8_enabled = fp8_on
@@ -127,21 +130,25 @@ class Accelerator(accelerate.Accelerator):
 
     @property
     def fp8_backend(self):
-        """What accelerate's own FP8 code sees: FP8BackendType.NO, on purpose (fp8plug does the FP8
-        work). The engine in use is `fp8_engine` (its name: `fp8_engine.name`)."""
-        # NO keeps accelerate's _prepare_te/_prepare_ao/_prepare_msamp and TE autowrap off: fp8plug
-        # does that work. (Accelerate itself would also fail on `native` or a lower-case `ao`.)
-        return self._fp8_view_backend
+        """The FP8 engine in use, by name ("native", "ao", "te", "msamp"), or FP8BackendType.NO
+        without FP8. The name is an FP8EngineName: a str equal to no FP8BackendType member, so
+        every `self.fp8_backend == FP8BackendType.X` branch of accelerate's (its _prepare_te,
+        _prepare_ao, _prepare_msamp, TE autowrap) stays off: fp8plug does that work. The engine
+        object is `fp8_engine`."""
+        if getattr(self, "_fp8_as_ao", False):
+            return _AO_FP8
+        engine = getattr(self, "fp8_engine", None)
+        return _NO_FP8 if engine is None else FP8EngineName(engine.name)
 
     def _get_named_parameters(self, *args, drop_refs=False):
         # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
-        # torchao's float8 weight wrapper only when it believes torchao is the FP8 backend.
-        if self.fp8_engine is not None and self.fp8_engine.name == "ao":
-            self._fp8_view_backend = _AO_FP8
+        # torchao's float8 weight wrapper (whose data_ptr() is 0) only when it believes torchao is
+        # the FP8 backend; that wrapper can only exist once torchao's fsdp_utils is imported.
+        self._fp8_as_ao = drop_refs and "torchao.float8.fsdp_utils" in sys.modules
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
         finally:
-            self._fp8_view_backend = _NO_FP8
+            self._fp8_as_ao = False
 
     def _prepare_fsdp2(self, *args):
         # accelerate finds each optimizer parameter's sharded replacement by data pointer. A tensor
@@ -195,6 +202,7 @@ class Accelerator(accelerate.Accelerator):
         recipe = with_auto_filter(recipe, self.fp8_engine.name, self.fp8_selection.device)
         with torch.no_grad():
             report = self.fp8_engine.convert(model, recipe)
+        log_conversion(report, describe_engine(self.fp8_engine, recipe), type(model).__name__)
         after = dict(model.named_parameters(remove_duplicate=False))
         _rebind_optimizers(optimizers, before, after, type(model).__name__)
         install_plain_state_dict(model, self.fp8_engine)
@@ -245,6 +253,21 @@ class Accelerator(accelerate.Accelerator):
         )
 
     # training ----------------------------------------------------------------------------------------
+    def fp8_coverage(self, reset: bool = False) -> dict:
+        """How many GEMMs of the prepared models ran in FP8 and in high precision, in this process:
+        {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
+        (fp8plug.coverage.fp8_coverage; with several models, layer names start "model<i>.").
+        `reset=True` zeroes the counts after reading them."""
+        results = [fp8_coverage(model, reset=reset) for model in self._fp8_models]
+        if len(results) == 1:
+            return results[0]
+        layers = {f"model{i}.{fqn}": counts for i, result in enumerate(results) for fqn, counts in result["layers"].items()}
+        return {
+            "fp8_gemms": sum(r["fp8_gemms"] for r in results),
+            "high_precision_gemms": sum(r["high_precision_gemms"] for r in results),
+            "layers": layers,
+        }
+
     @contextlib.contextmanager
     def accumulate(self, *models):
         """accelerate's accumulate; the engine also learns whether this micro-batch is the first of
@@ -299,6 +322,20 @@ def _shared_precision() -> Optional[str]:
     if not state._shared_state.get("initialized", False) and "_mixed_precision" not in state._shared_state:
         return None
     return str(state._shared_state.get("_mixed_precision", "")).lower() or None
+
+
+class FP8EngineName(str):
+    """`Accelerator.fp8_backend` while fp8plug runs FP8: the engine's name ("native", "ao", "te",
+    "msamp"). Lower-case, so it equals no FP8BackendType member ("NO", "TE", "AO", "MSAMP") and
+    accelerate's own FP8 branches stay off; `.value` gives the name, as an enum member would."""
+
+    @property
+    def value(self) -> str:
+        """The engine's name, as a plain str."""
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"FP8EngineName({str(self)!r})"
 
 
 def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
@@ -389,4 +426,4 @@ def _rebind_optimizers(optimizers, before: dict, after: dict, model_name: str) -
                 optimizer.state[new] = optimizer.state.pop(old)
 
 
-__all__ = ["Accelerator", "requested_precision"]
+__all__ = ["Accelerator", "FP8EngineName", "requested_precision"]

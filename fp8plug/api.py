@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Optional
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from .backends import get_backend, select_backend
 from .convert import ConversionReport
+from .coverage import describe_engine, log_conversion
 from .recipe import BACKENDS, FP8RecipeKwargs
 from .roofline import with_auto_filter
 
@@ -26,9 +28,11 @@ def convert_model(
     modules in place, or back to torch modules with `to_transformer_engine=False`.
 
     Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
-    automatically (TransformerEngine where it runs, else torchao, else native). Returns the
-    ConversionReport of what was converted and why anything was skipped (None when converting
-    back).
+    automatically (TransformerEngine where it runs, else torchao, else native). As in Accelerate,
+    every eligible layer is converted: the automatic speed filter acts here only when the recipe
+    asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
+    Returns the ConversionReport of what was converted and why anything was skipped (None when
+    converting back).
     """
     if not to_transformer_engine:
         unconvert_model(model)
@@ -36,12 +40,16 @@ def convert_model(
     recipe = recipe or FP8RecipeKwargs(backend=backend)
     selection = select_backend(backend or recipe.backend)
     engine = selection.backend
-    recipe = with_auto_filter(recipe, engine.name, selection.device)
-    if engine.name == "te":
-        return engine.convert(model, recipe, convert_linear=_convert_linear, convert_norm=_convert_ln)
-    if not _convert_linear:
-        return ConversionReport(engine.name)
-    return engine.convert(model, recipe)
+    if recipe.auto_filter is True:
+        recipe = with_auto_filter(recipe, engine.name, selection.device)
+    if "convert_norm" in inspect.signature(engine.convert).parameters:  # engines that convert norms too
+        report = engine.convert(model, recipe, convert_linear=_convert_linear, convert_norm=_convert_ln)
+    elif not _convert_linear:
+        report = ConversionReport(engine.name)
+    else:
+        report = engine.convert(model, recipe)
+    log_conversion(report, describe_engine(engine, recipe), type(model).__name__)
+    return report
 
 
 def loaded_backends():

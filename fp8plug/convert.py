@@ -6,6 +6,13 @@ operands); `modules_to_ignore` names modules by fully-qualified name (a name tha
 is an error, since it is almost always a typo); `module_filter_fn(module, fqn)` may veto any
 module (a filter with a `skip_reason(fqn)` method, like the automatic roofline filter, words the
 reason itself). A skipped module never stops its siblings from converting.
+
+nn.MultiheadAttention is reported, never converted: F.multi_head_attention_forward computes its
+Q/K/V and output projections from the bare weights (in_proj_weight, out_proj.weight) without
+calling a Linear module, so an FP8 module put there would never run.
+
+Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.coverage), so what ran in FP8
+can be read back while training.
 """
 
 from __future__ import annotations
@@ -15,16 +22,43 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .coverage import count_gemms, has_gemm_counter
+
 ALIGNMENT = 16
+
+# Kinds of skip, for the one-line summary (ConversionReport.summary), which groups by kind.
+ALREADY = "already converted"
+IGNORED = "listed in modules_to_ignore"
+REFUSED = "refused by module_filter_fn"
+NOT_ELIGIBLE = "not eligible"
+SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
+MHA_OUT = "output projections of nn.MultiheadAttention"
+MHA_QKV = "Q/K/V projections of nn.MultiheadAttention"
+MHA_NOTE = (
+    "F.multi_head_attention_forward computes nn.MultiheadAttention's Q/K/V projection from "
+    "in_proj_weight (or q/k/v_proj_weight) and its output projection from out_proj.weight directly, "
+    "never calling a Linear module, so no engine can run them in FP8"
+)
+MHA_ADVICE = ("they stay in high precision. To train attention projections in FP8, build attention "
+              "from nn.Linear layers (as Hugging Face models do).")
 
 
 @dataclass
 class ConversionReport:
-    """What a conversion did: the modules converted and, for each one left alone, why."""
+    """What a conversion did: the modules converted and, for each one left alone, why.
+
+    `kinds` groups the skipped modules (fqn -> kind, e.g. "listed in modules_to_ignore"), `notes`
+    holds a short per-module detail (e.g. the auto filter's predicted speed-up), `linears` names
+    the candidates that were nn.Linear layers (GEMMs), converted or not; `summary()` says it all
+    in one line.
+    """
 
     backend: str
     converted: List[str] = field(default_factory=list)
     skipped: Dict[str, str] = field(default_factory=dict)
+    kinds: Dict[str, str] = field(default_factory=dict)
+    notes: Dict[str, str] = field(default_factory=dict)
+    linears: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{self.backend}: converted {len(self.converted)} module(s), skipped {len(self.skipped)}"]
@@ -36,7 +70,65 @@ class ConversionReport:
         """Add `other`'s converted and skipped modules to this report (in place) and return it."""
         self.converted += other.converted
         self.skipped.update(other.skipped)
+        self.kinds.update(other.kinds)
+        self.notes.update(other.notes)
+        self.linears += [fqn for fqn in other.linears if fqn not in self.linears]
         return self
+
+    def skip(self, fqn: str, reason: str, kind: str, note: str = "") -> None:
+        """Record `fqn` as left alone, with its reason, the kind it is grouped under, and a note."""
+        self.skipped[fqn] = reason
+        self.kinds[fqn] = kind
+        if note:
+            self.notes[fqn] = note
+
+    @property
+    def fp8_linears(self) -> List[str]:
+        """The Linear layers that run in FP8: converted now or already before."""
+        linears = set(self.linears)
+        return [f for f in self.converted if f in linears] + [
+            f for f in self.skipped if f in linears and self.kinds.get(f) == ALREADY
+        ]
+
+    @property
+    def high_precision_linears(self) -> Dict[str, str]:
+        """The Linear layers left in high precision: fqn -> why."""
+        linears = set(self.linears)
+        return {f: why for f, why in self.skipped.items() if f in linears and self.kinds.get(f) != ALREADY}
+
+    def summary(self, subject: str = "model", max_names: int = 3) -> str:
+        """One line: how many Linear layers run in FP8 and why the rest do not, grouped by kind
+        (at most `max_names` names per group), plus other converted modules (norms)."""
+        fp8 = self.fp8_linears
+        rest = self.high_precision_linears
+        total = len(fp8) + len(rest)
+        if total == 0:
+            line = f"{subject}: no nn.Linear layer to convert, so nothing runs in FP8"
+        elif not fp8:
+            line = f"{subject}: none of its {total} Linear layers runs in FP8"
+        else:
+            line = f"{subject}: {len(fp8)} of {total} Linear layers run in FP8"
+        groups: Dict[str, List[str]] = {}
+        for fqn in rest:
+            groups.setdefault(self.kinds.get(fqn, NOT_ELIGIBLE), []).append(fqn)
+        for fqn, kind in self.kinds.items():
+            if kind == MHA_QKV:
+                groups.setdefault(kind, []).append(fqn)
+        parts = [f"{len(names)} {kind} ({self._names(names, max_names)})" for kind, names in groups.items()]
+        if MHA_QKV in groups or MHA_OUT in groups:
+            parts.append(f"({MHA_NOTE})")
+        if parts:
+            line += "; in high precision: " + "; ".join(parts)
+        others = [f for f in self.converted if f not in set(self.linears)]
+        if others:
+            line += f"; also converted {len(others)} other module(s) ({self._names(others, max_names)})"
+        return line
+
+    def _names(self, names: List[str], limit: int) -> str:
+        shown = [f"{n}: {self.notes[n]}" if self.notes.get(n) else n for n in names[:limit]]
+        if len(names) > limit:
+            shown.append(f"+{len(names) - limit} more")
+        return ", ".join(shown)
 
 
 class ConversionError(ValueError):
@@ -114,31 +206,55 @@ def plan_conversion(
         )
     report = ConversionReport(backend)
     targets: List[Tuple[str, nn.Module]] = []
+    attention = _attention_modules(model) if nn.Linear in eligible else {}
     for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) or has_gemm_counter(module):
+            report.linears.append(fqn)
         if is_converted(module):
-            report.skipped[fqn or "<root>"] = "already converted"
+            report.skip(fqn or "<root>", "already converted", ALREADY)
+            continue
+        if fqn in attention:
+            report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
             continue
         check = eligible.get(type(module))
         if check is None:
             if isinstance(module, tuple(eligible)) and type(module) not in eligible:
-                report.skipped[fqn] = (
+                report.skip(fqn, (
                     f"{type(module).__name__} subclasses {_base_name(module, eligible)} but may not use its "
                     "forward; only exact types are converted"
-                )
+                ), SUBCLASS, type(module).__name__)
             continue
         if fqn in ignore:
-            report.skipped[fqn] = "listed in modules_to_ignore"
+            report.skip(fqn, "listed in modules_to_ignore", IGNORED)
             continue
         problem = check(module)
         if problem:
-            report.skipped[fqn] = problem
+            report.skip(fqn, problem, NOT_ELIGIBLE, problem.split(" (")[0])
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
-            reason = getattr(module_filter_fn, "skip_reason", None)  # e.g. roofline.SpeedFilter
-            report.skipped[fqn] = reason(fqn) if reason else "module_filter_fn returned False"
+            # a filter may word its reason, its kind and a short note itself (roofline.SpeedFilter)
+            reason = getattr(module_filter_fn, "skip_reason", None)
+            kind = getattr(module_filter_fn, "skip_kind", None)
+            note = getattr(module_filter_fn, "skip_note", None)
+            report.skip(
+                fqn, reason(fqn) if reason else "module_filter_fn returned False",
+                (kind(fqn) if kind else None) or REFUSED, note(fqn) if note else "",
+            )
             continue
         targets.append((fqn, module))
     return targets, report
+
+
+def _attention_modules(model: nn.Module) -> Dict[str, str]:
+    """fqn -> why, for every nn.MultiheadAttention and its out_proj (see the module doc)."""
+    found = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            found[fqn] = f"nn.MultiheadAttention: {MHA_NOTE}; {MHA_ADVICE}"
+            found[f"{fqn}.out_proj" if fqn else "out_proj"] = (
+                f"out_proj of nn.MultiheadAttention {fqn or '<root>'!r}: {MHA_NOTE}; {MHA_ADVICE}"
+            )
+    return found
 
 
 def _base_name(module: nn.Module, eligible: Iterable[type]) -> str:
@@ -162,6 +278,14 @@ def swap_modules(
 ) -> ConversionReport:
     """Replace each target by `build(module)`, recording it as converted."""
     for fqn, module in targets:
-        replace_module(model, fqn, build(module))
-        report.converted.append(fqn)
+        new = build(module)
+        replace_module(model, fqn, new)
+        record_converted(model, fqn, module, new, report)
     return report
+
+
+def record_converted(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module, report: ConversionReport) -> None:
+    """Note `fqn` as converted in `report`; a converted nn.Linear (`old`) gets its GEMM counter."""
+    report.converted.append(fqn)
+    if isinstance(old, nn.Linear):
+        count_gemms(model, fqn, new, report.backend)

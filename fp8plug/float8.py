@@ -29,6 +29,7 @@ from torch import nn
 
 from .backends import get_backend
 from .convert import ConversionError, ConversionReport
+from .coverage import describe_engine, log_conversion
 
 __all__ = [
     "AOFloat8LinearConfig",
@@ -249,6 +250,7 @@ class Float8Config:
             report = engine.convert_with_config(model, self.float8_linear_config(), ignore)
         for name in frozen:
             model.get_parameter(name).requires_grad_(False)
+        log_conversion(report, describe_engine(engine), type(model).__name__)
         return report
 
 
@@ -326,6 +328,11 @@ class Float8LinearConfig:
     under autocast + compile + FSDP; the native engine initialises each scale from the first amax
     and updates its history after each optimizer step, so it needs neither: both are accepted and
     have no effect. emulate and pad_inner_dim apply to dynamic (torchao) configs.
+
+    `recipe_name` names one of torchao's float8 recipes ("tensorwise", "rowwise",
+    "rowwise_with_gw_hp") instead of cast configs: `Float8LinearConfig.from_recipe_name(name)`,
+    as torchao spells it. Rowwise scaling needs torchao itself; tensorwise runs on fp8plug's
+    native engine (dynamic scaling) where torchao is not installed.
     """
 
     cast_config_input: CastConfig = field(default_factory=CastConfig)
@@ -337,8 +344,23 @@ class Float8LinearConfig:
     pad_inner_dim: bool = False
     emulate: bool = False
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
+    recipe_name: Optional[str] = None
+
+    @staticmethod
+    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
+        """The config for one of torchao's float8 recipe names ("tensorwise", "rowwise",
+        "rowwise_with_gw_hp"; a string or a torchao Float8LinearRecipeName), as torchao's
+        Float8LinearConfig.from_recipe_name."""
+        return Float8LinearConfig(recipe_name=recipe_name)
 
     def __post_init__(self):
+        if self.recipe_name is not None:
+            object.__setattr__(self, "recipe_name", _recipe_name(self.recipe_name))
+            if any(t is not ScalingType.DYNAMIC for t in self.scaling_types):
+                raise ValueError(
+                    f"Float8LinearConfig: recipe_name={self.recipe_name!r} sets every cast itself; leave "
+                    "cast_config_input/weight/grad_output at their defaults, or give cast configs without a recipe_name."
+                )
         for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"):
             if not isinstance(getattr(self, name), CastConfig):
                 raise ValueError(f"Float8LinearConfig.{name}: expected a fp8plug.float8.CastConfig, got {getattr(self, name)!r}.")
@@ -370,6 +392,14 @@ class Float8LinearConfig:
 
         if self.delayed:
             raise ValueError("Float8LinearConfig: torchao has no delayed scaling (removed in 0.10); the native engine serves it.")
+        if self.recipe_name is not None:
+            from .backends.ao import build_float8_config, needs_emulation
+
+            return build_float8_config(
+                AOConfig.from_recipe_name(self.recipe_name), pad_inner_dim=self.pad_inner_dim,
+                emulate=self.emulate or needs_emulation(),
+                enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather or None,
+            )
         cast = lambda c: AOCastConfig(scaling_type=AOType(c.scaling_type.value))  # noqa: E731
         try:
             return AOConfig(
@@ -384,6 +414,15 @@ class Float8LinearConfig:
                 "cast or both be DISABLED (input and weight for the output, grad_output and weight, "
                 "grad_output and input for the gradients)."
             ) from None
+
+
+def _recipe_name(value) -> str:
+    """A torchao float8 recipe name from a string or an enum member, checked."""
+    text = str(getattr(value, "value", value)).strip().lower()
+    allowed = [r.value for r in AOFloat8LinearRecipe]
+    if text not in allowed:
+        raise ValueError(f"Float8LinearConfig.recipe_name: {value!r} is not a torchao float8 recipe; use one of {', '.join(allowed)}.")
+    return text
 
 
 def convert_to_float8_training(
@@ -401,29 +440,32 @@ def convert_to_float8_training(
     in or out features are not divisible by 16 stay too.
     """
     config = Float8LinearConfig() if config is None else config
+    report = _convert_float8(module, config, module_filter_fn)
+    log_conversion(report, describe_engine(get_backend(report.backend)), type(module).__name__)
+    return module
+
+
+def _convert_float8(module: nn.Module, config, module_filter_fn) -> ConversionReport:
     if _is_torchao_config(config):
-        get_backend("ao").convert_with_config(module, config, None, module_filter_fn)
-        return module
+        return get_backend("ao").convert_with_config(module, config, None, module_filter_fn)
     if not isinstance(config, Float8LinearConfig):
         raise ValueError(
             "convert_to_float8_training: config must be a fp8plug.float8.Float8LinearConfig or a torchao "
             f"Float8LinearConfig, not {type(config).__name__}."
         )
     if config.delayed:
-        _convert_delayed(module, config, module_filter_fn)
-        return module
+        return _convert_delayed(module, config, module_filter_fn)
     engine = get_backend("ao")
     if engine.probe().available:
-        engine.convert_with_config(module, config.to_torchao(), None, module_filter_fn)
-        return module
-    if ScalingType.DISABLED in config.scaling_types or config.enable_fsdp_float8_all_gather:
+        return engine.convert_with_config(module, config.to_torchao(), None, module_filter_fn)
+    if (ScalingType.DISABLED in config.scaling_types or config.enable_fsdp_float8_all_gather
+            or config.recipe_name not in (None, "tensorwise")):
         engine.require()  # those need torchao itself: say how to install it
     warnings.warn(
         f"torchao is {engine.probe().reason}: dynamic float8 scaling runs on fp8plug's native engine "
-        f"instead (install torchao with `{engine.install_hint}` for torchao's kernels).", UserWarning, stacklevel=2,
+        f"instead (install torchao with `{engine.install_hint}` for torchao's kernels).", UserWarning, stacklevel=3,
     )
-    _convert_native(module, config, module_filter_fn, ("dynamic",) * 3)
-    return module
+    return _convert_native(module, config, module_filter_fn, ("dynamic",) * 3)
 
 
 def _convert_delayed(module, config: Float8LinearConfig, module_filter_fn) -> ConversionReport:

@@ -171,6 +171,17 @@ class SpeedFilter:
         return (f"{self.source or 'roofline filter'}: {self.backend} FP8 predicted {self.decisions.get(fqn, 0):.2f}x "
                 f"bf16's speed at {self.tokens} tokens (needs {self.min_speedup:g}x)")
 
+    def skip_kind(self, fqn: str) -> Optional[str]:
+        """The group a refused module goes under in the one-line conversion summary."""
+        if fqn in self._refused_by_user:
+            return None
+        return (f"kept in bf16 by {self.source or 'roofline filter'} (FP8 predicted under {self.min_speedup:g}x "
+                f"bf16's speed at {self.tokens} tokens)")
+
+    def skip_note(self, fqn: str) -> str:
+        """The predicted speed-up of a module this filter refused ('' for one the user's filter refused)."""
+        return "" if fqn in self._refused_by_user else f"{self.decisions.get(fqn, 0):.2f}x"
+
     def __repr__(self) -> str:
         return f"SpeedFilter({self.backend!r}, tokens={self.tokens}, min_speedup={self.min_speedup})"
 

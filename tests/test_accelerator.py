@@ -76,7 +76,8 @@ def test_kwargs_handler_beside_accelerates_own():
     assert acc.mixed_precision == "fp8"
     assert acc.state.mixed_precision == "bf16"  # what accelerate runs outside the FP8 Linears
     assert acc.fp8_engine.name == "native" and acc.fp8_recipe is recipe
-    assert acc.fp8_backend == FP8BackendType.NO  # accelerate's own FP8 code stays off
+    assert acc.fp8_backend == "native" and acc.fp8_backend.value == "native"  # names the engine
+    assert all(acc.fp8_backend != member for member in FP8BackendType)  # accelerate's own FP8 stays off
     assert acc.ddp_handler is ddp
 
 

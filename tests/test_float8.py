@@ -186,6 +186,39 @@ def test_dynamic_config_runs_on_torchao_and_a_torchao_config_is_accepted():
     assert kinds(model)["w1"] == "AOFloat8Linear" and kinds(model)["w2"] == "Linear"
 
 
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_from_recipe_name_as_torchao_spells_it(name):
+    """fp8plug's Float8LinearConfig.from_recipe_name gives torchao's recipe (its own config, the
+    same casts), which converts and trains on the ao engine."""
+    from torchao.float8 import Float8LinearConfig as TorchaoConfig
+    from torchao.float8.config import Float8LinearRecipeName
+
+    config = Float8LinearConfig.from_recipe_name(name)
+    assert Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(name)) == config
+    assert isinstance(config, Float8LinearConfig) and config.recipe_name == name and not config.delayed
+    theirs = TorchaoConfig.from_recipe_name(name)
+    ours = config.to_torchao()
+    for field in ("cast_config_input", "cast_config_weight", "cast_config_grad_output",
+                  "cast_config_input_for_grad_weight", "cast_config_weight_for_grad_input",
+                  "cast_config_grad_output_for_grad_weight", "round_scales_to_power_of_2"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    model, ref = convert_to_float8_training(Model(), config=config), Model()
+    assert kinds(model)["w1"] == "AOFloat8Linear" and model.w1.config.cast_config_input == theirs.cast_config_input
+    x = torch.randn(32, 64)
+    assert 20 <= sqnr_db(model(x), ref(x)) <= 45
+
+
+def test_from_recipe_name_errors_name_the_choices(monkeypatch):
+    with pytest.raises(ValueError, match="recipe_name: 'columnwise' is not a torchao float8 recipe; use one of "
+                                         "tensorwise, rowwise, rowwise_with_gw_hp"):
+        Float8LinearConfig.from_recipe_name("columnwise")
+    with pytest.raises(ValueError, match="sets every cast itself"):
+        Float8LinearConfig(recipe_name="rowwise", cast_config_input=CastConfig(ScalingType.DISABLED))
+    monkeypatch.setattr(get_backend("ao"), "probe", lambda: Probe(False, reason="not installed"))
+    with pytest.raises(fp8plug.BackendUnavailableError, match="pip install torchao"):
+        convert_to_float8_training(Model(), config=Float8LinearConfig.from_recipe_name("rowwise"))
+
+
 def test_delayed_runs_on_native_with_per_tensor_modes():
     config = Float8LinearConfig(
         cast_config_input=CastConfig(ScalingType.DYNAMIC),

@@ -290,7 +290,11 @@ def test_auto_filter_asks_the_users_filter_first_and_reports_both(no_env):
     assert with_auto_filter(recipe, "native", CPU) is recipe
 
 
-def test_convert_model_applies_the_default_filter_on_sm90(no_env, monkeypatch):
+def test_convert_model_filters_on_sm90_only_when_the_recipe_asks(no_env, monkeypatch, caplog):
+    """Accelerate's convert_model converts every eligible layer; auto_filter=True asks for the
+    speed filter, whose decisions the one log line then carries."""
+    import logging
+
     import fp8plug.api as api
 
     real = api.select_backend
@@ -300,10 +304,15 @@ def test_convert_model_applies_the_default_filter_on_sm90(no_env, monkeypatch):
         selection.device = H100
         return selection
 
-    model = _small_and_big()
     monkeypatch.setattr(api, "select_backend", on_h100)
-    report = fp8plug.convert_model(model, backend="native")
+    report = fp8plug.convert_model(_small_and_big(), backend="native")
+    assert report.converted == ["0", "1"]
+    with caplog.at_level(logging.INFO, logger="fp8plug"):
+        report = fp8plug.convert_model(_small_and_big(), recipe=FP8RecipeKwargs(backend="native", auto_filter=True))
     assert report.converted == ["0"] and "auto_filter" in report.skipped["1"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "fp8plug" and r.levelno == logging.INFO]
+    assert "1 of 2 Linear layers run in FP8" in line
+    assert "kept in bf16 by auto_filter" in line and f"(1: {predicted_speedup(8192, 256, 256, 'native'):.2f}x)" in line
     monkeypatch.setattr(api, "select_backend", real)
-    report = fp8plug.convert_model(_small_and_big(), backend="native")  # the CPU: no filter
+    report = fp8plug.convert_model(_small_and_big(), recipe=FP8RecipeKwargs(backend="native"))  # the CPU
     assert report.converted == ["0", "1"]

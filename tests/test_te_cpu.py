@@ -263,6 +263,22 @@ def test_gemm_alignment_follows_te_rules():
     assert not te_engine.fp8_input_fits((256,))
 
 
+def test_odd_token_counts_are_padded_to_te_multiple_features_never():
+    def plan(shape, kind="fp8"):
+        return te_engine.fp8_token_multiple(torch.zeros(shape), kind)
+
+    assert plan((1, 8, 256)) == 1 and plan((2, 4, 256)) == 1  # fits as it is
+    assert plan((1, 7, 256)) == 8 and plan((8, 31, 256)) == 1 and plan((2047, 256)) == 8
+    assert plan((33, 256), "mxfp8") == 32 and plan((15, 256), "nvfp4") == 16
+    assert plan((8, 24)) is None and plan((256,)) is None and plan((0, 256)) is None  # cannot pad those
+
+    class Quantized(torch.Tensor):  # stands for TE's own quantized tensors: never padded
+        pass
+
+    assert te_engine.fp8_token_multiple(torch.zeros(7, 256).as_subclass(Quantized)) is None
+    assert te_engine.fp8_token_multiple(torch.zeros(8, 256).as_subclass(Quantized)) == 1
+
+
 def test_warn_once_per_process():
     message = "fp8plug test: this warning appears once"
     with warnings.catch_warnings(record=True) as caught:

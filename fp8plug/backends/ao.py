@@ -13,8 +13,9 @@ change is the forward's choice between torchao's FP8 path and a plain high-preci
 FP8 inside an enabled FP8 region, high precision inside a disabled one, and outside any region
 FP8 in training mode only (eval in high precision, as for every engine). That choice reads a flag
 and `self.training`, so torch.compile guards on it and recompiles, never graph-breaks. Token
-counts an FP8 GEMM cannot take (not a multiple of 16, unless pad_inner_dim) also run in high
-precision, as in the native engine.
+counts an FP8 GEMM cannot take (not a multiple of 16; 32 for MXFP8) run in FP8 all the same:
+the token dimension is zero-padded on the way in and sliced on the way out (backends.padding),
+except where torchao needs no alignment (emulate) or pads itself (pad_inner_dim).
 
 MXFP8 training (torchao's prototype MXFP8TrainingOpConfig, sm_100 or emulated) is offered through
 `convert_mx` for fp8plug.float8.Float8Config(ao_mx=...). torchao is imported only when used, so
@@ -33,10 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..convert import ConversionError, ConversionReport, linear_alignment_problem, plan_conversion, replace_module
+from ..convert import (
+    ConversionError, ConversionReport, linear_alignment_problem, plan_conversion, record_converted, replace_module,
+)
 from ..recipe import DEFAULTS
 from .base import Backend, Probe, probe_import
 from .native import fp8_region_enabled, native_fp8_autocast
+from .padding import pad_tokens, token_count
 
 ALIGN = 16
 MX_BLOCK = 32
@@ -47,15 +51,13 @@ DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo")
 # --- the module -----------------------------------------------------------------------------------
 
 
-def _fp8_now(module: nn.Module, x: torch.Tensor, align: int, padded: bool) -> bool:
-    """Whether `module` runs its FP8 path for input `x` (see the module doc)."""
+def _fp8_now(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module` runs its FP8 path for input `x` (see the module doc): the FP8 region's
+    choice, else the training flag; an empty input runs in high precision."""
     region = fp8_region_enabled()
     if not (module.training if region is None else region):
         return False
-    if padded:
-        return True
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return rows > 0 and rows % align == 0
+    return token_count(x) > 0
 
 
 def _high_precision_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,9 @@ def _float8_linear_class():
         """
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if _fp8_now(self, input, ALIGN, self.config.pad_inner_dim or self.config.emulate):
-                return super().forward(_cpu_autocast_input(input))
+            if _fp8_now(self, input):
+                align = 1 if self.config.pad_inner_dim or self.config.emulate else ALIGN
+                return pad_tokens(super().forward, _cpu_autocast_input(input), align)
             return F.linear(input, _high_precision_weight(self.weight), self.bias)
 
     AOFloat8Linear.__module__ = __name__
@@ -93,12 +96,12 @@ def _float8_linear_class():
 class AOMXLinear(nn.Linear):
     """An nn.Linear whose parameters torchao wrapped for MXFP8 training (its
     MXFP8TrainingWeightWrapperTensor routes F.linear to MXFP8 GEMMs). fp8plug adds the eval
-    policy, the high-precision fallback for token counts not a multiple of 32, and the bias:
-    torchao 0.18's MXFP8 linear override drops it, so it is added here."""
+    policy, token padding to a multiple of 32, and the bias: torchao 0.18's MXFP8 linear
+    override drops it, so it is added here."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _fp8_now(self, input, MX_BLOCK, False):
-            out = F.linear(input, self.weight)
+        if _fp8_now(self, input):
+            out = pad_tokens(lambda x: F.linear(x, self.weight), input, MX_BLOCK)
             return out if self.bias is None else out + self.bias.to(out.dtype)
         with torch._C.DisableTorchFunctionSubclass():
             return F.linear(input, self.weight, self.bias)
@@ -332,7 +335,7 @@ class AOBackend(Backend):
             if type(module) is not Float8Linear:  # pragma: no cover - torchao skipped a planned module
                 raise ConversionError(f"torchao did not convert {fqn!r} ({type(module).__name__}).")
             module.__class__ = cls  # same state, fp8plug's forward (see AOFloat8Linear)
-            report.converted.append(fqn)
+            record_converted(model, fqn, module, module, report)
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -349,6 +352,10 @@ class AOBackend(Backend):
 
     def is_converted(self, module: nn.Module) -> bool:
         return _is_float8_linear(module) or _is_mx_linear(module)
+
+    def runs_fp8(self, module: nn.Module, input) -> bool:
+        """Every call the region (or training mode) puts in FP8 runs FP8: odd token counts are padded."""
+        return isinstance(input, torch.Tensor) and _fp8_now(module, input)
 
     # running ---------------------------------------------------------------------------------------
     def autocast(self, recipe, enabled: bool = True):
@@ -545,6 +552,7 @@ def convert_mx(
     wanted = frozenset(planned)
     quantize_(model, config, filter_fn=lambda _module, fqn: fqn in wanted)
     for fqn in planned:
-        model.get_submodule(fqn).__class__ = AOMXLinear
-        report.converted.append(fqn)
+        module = model.get_submodule(fqn)
+        module.__class__ = AOMXLinear
+        record_converted(model, fqn, module, module, report)
     return report

@@ -106,6 +106,13 @@ class Backend:
         """The context a forward runs in: FP8 when `enabled`, high precision otherwise."""
         return contextlib.nullcontext()
 
+    def runs_fp8(self, module: nn.Module, input) -> Optional[bool]:
+        """Whether this call of the converted Linear `module` on `input` runs its GEMMs in FP8,
+        decided exactly as its forward decides (fp8plug.coverage counts calls with it; it runs
+        inside compiled graphs, so it must be plain, traceable code). An engine that does not
+        override it gets no GEMM counts."""
+        return None
+
     def prepare(self, model: nn.Module, optimizer, recipe: "FP8RecipeKwargs"):
         """Adapt a (model, optimizer) pair after conversion; most engines need nothing."""
         return model, optimizer

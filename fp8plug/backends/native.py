@@ -240,15 +240,20 @@ class NativeFP8Linear(nn.Linear):
         region = _Region.enabled
         return self.training if region is None else region
 
+    def runs_fp8(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` runs its GEMMs in FP8 (the test `forward` makes)."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.fp8_active() and rows > 0 and not x.shape[-1] % ALIGN and not self.out_features % ALIGN
+
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not self.fp8_active() or rows == 0 or x.shape[-1] % ALIGN or self.out_features % ALIGN:
+        if not self.runs_fp8(x):
             return super().forward(x)
+        rows = x.numel() // x.shape[-1]
         x2 = x.reshape(-1, x.shape[-1])
         padding = -rows % ALIGN
         if padding:  # zero rows change no amax and no weight gradient; their outputs are dropped
@@ -432,6 +437,9 @@ class NativeBackend(Backend):
 
     def autocast(self, recipe, enabled: bool = True):
         return native_fp8_autocast(enabled)
+
+    def runs_fp8(self, module: nn.Module, input) -> bool:
+        return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
     def sync_scaling(self, models, group=None) -> None:
         sync_fp8_scaling(*models, group=group)

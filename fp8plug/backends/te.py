@@ -12,12 +12,15 @@ What it does, and why:
   nn.RMSNorm(eps=None) means "the input dtype's eps"; TE needs a number, so it gets the
   parameters' dtype eps, and unconvert restores None.
 - Converted Linears are `TELinear`, a te.Linear subclass with two additions:
-  1. A forward whose input TE's FP8 GEMM would reject (tokens not divisible by 8, e.g. 7 tokens
-     in generation; 32 for MXFP8) runs that layer in high precision instead of raising
-     ValueError. The check is per layer, at the layer, with TE's own rule, rather than on the
-     model's first argument: what a Linear sees (after reshapes, padding, prefixes) is not
-     knowable from the top-level input, and catching TE's ValueError would mean re-running a
-     half-done forward.
+  1. A forward whose token count TE's FP8 GEMM would reject (not divisible by 8, e.g. 7 tokens
+     in generation or an odd length from dynamic padding; 32 for MXFP8, 16 for NVFP4) runs in
+     FP8 all the same: the tokens are zero-padded up to the multiple and the padding rows sliced
+     off the output (backends.padding: the real rows' outputs and gradients are unchanged).
+     An input whose features do not fit, or that is not a plain tensor, runs that layer in high
+     precision instead of raising ValueError. The check is per layer, at the layer, with TE's
+     own rule, rather than on the model's first argument: what a Linear sees (after reshapes,
+     padding, prefixes) is not knowable from the top-level input, and catching TE's ValueError
+     would mean re-running a half-done forward.
   2. Gradient accumulation: inside `TEBackend.microbatch(is_first)` each TELinear gets
      `is_first_microbatch=is_first` unless the caller passes it. True on the first micro-batch
      after an optimizer step, False on the others: TE then quantizes each weight once per step
@@ -54,6 +57,7 @@ from torch import nn
 
 from ..convert import ALIGNMENT, ConversionReport, linear_alignment_problem, plan_conversion, replace_module, swap_modules
 from .base import Backend, Probe, probe_import
+from .padding import pad_tokens
 
 TE_MODULE = "transformer_engine.pytorch"
 RECIPE_CLASSES = {
@@ -235,11 +239,27 @@ def gemm_alignment(kind: str) -> Tuple[int, int]:
 
 
 def fp8_input_fits(shape, kind: str = "fp8") -> bool:
-    """Whether an input of this shape can go through TE's FP8 GEMM under a recipe kind."""
+    """Whether an input of this shape can go through TE's FP8 GEMM under a recipe kind as is."""
     if len(shape) < 2:
         return False
     tokens, features = gemm_alignment(kind)
     return math.prod(shape[:-1]) % tokens == 0 and shape[-1] % features == 0
+
+
+def fp8_token_multiple(inp, kind: str = "fp8") -> Optional[int]:
+    """How an input goes through TE's FP8 GEMM under a recipe kind: 1 as it is, a larger number:
+    after padding its tokens up to a multiple of it, None: not at all (features misaligned, no
+    token dimension or no rows, or tokens misaligned in a tensor that is not a plain one, such
+    as TE's own quantized tensors, which are never padded)."""
+    shape = tuple(inp.shape)
+    if len(shape) < 2 or math.prod(shape[:-1]) == 0:
+        return None
+    tokens, features = gemm_alignment(kind)
+    if shape[-1] % features:
+        return None
+    if math.prod(shape[:-1]) % tokens == 0:
+        return 1
+    return tokens if type(inp) in (torch.Tensor, nn.Parameter) else None
 
 
 class IntervalScaling:
@@ -420,8 +440,8 @@ _CLASSES: Dict[str, type] = {}
 
 
 def te_linear_class() -> type:
-    """TELinear: te.Linear plus the high-precision fallback for inputs TE's FP8 GEMM rejects and
-    the micro-batch flag. Built on first use (it subclasses a TE class) and reachable as
+    """TELinear: te.Linear plus token padding for inputs TE's FP8 GEMM would reject (and the
+    high-precision path where padding cannot help) and the micro-batch flag. Built on first use (it subclasses a TE class) and reachable as
     `fp8plug.backends.te.TELinear`, so converted models pickle."""
     cls = _CLASSES.get("TELinear")
     if cls is not None:
@@ -431,18 +451,41 @@ def te_linear_class() -> type:
     manager = _state_manager()
 
     class TELinear(te.Linear):
-        """te.Linear that runs a forward in high precision when its input cannot go through TE's
-        FP8 GEMM (e.g. 7 tokens), and takes is_first_microbatch from fp8plug.backends.te.microbatch."""
+        """te.Linear that pads an input's tokens up to what TE's FP8 GEMM takes (e.g. 7 tokens to
+        8), runs a forward in high precision when padding cannot help (features misaligned), and
+        takes is_first_microbatch from fp8plug.backends.te.microbatch."""
 
         def forward(self, inp, *args, **kwargs):
             if not args and "is_first_microbatch" not in kwargs and _Microbatch.is_first is not None:
                 kwargs["is_first_microbatch"] = _Microbatch.is_first
             if manager.is_fp8_enabled():
                 recipe = manager.get_fp8_recipe()
-                if not fp8_input_fits(tuple(inp.shape), _recipe_kind(recipe)):
+                multiple = fp8_token_multiple(inp, _recipe_kind(recipe))
+                if multiple is None:
                     with api.autocast(enabled=False, recipe=recipe):
                         return super().forward(inp, *args, **kwargs)
+                if multiple > 1:
+                    return self._padded_forward(inp, multiple, args, kwargs)
             return super().forward(inp, *args, **kwargs)
+
+        def _padded_forward(self, inp, multiple, args, kwargs):
+            extra = []  # te.Linear(return_bias=True) returns (output, bias): pad the output only
+
+            def run(rows):
+                out = super(TELinear, self).forward(rows, *args, **kwargs)
+                if isinstance(out, tuple):
+                    extra.extend(out[1:])
+                    return out[0]
+                return out
+
+            out = pad_tokens(run, inp, multiple)
+            return (out, *extra) if extra else out
+
+        def fp8_call(self, inp) -> bool:
+            """Whether a call on `inp` runs in FP8 now (padded or not): fp8plug's GEMM count asks."""
+            if not manager.is_fp8_enabled():
+                return False
+            return fp8_token_multiple(inp, _recipe_kind(manager.get_fp8_recipe())) is not None
 
     TELinear.__module__ = __name__
     TELinear.__qualname__ = "TELinear"
@@ -783,6 +826,11 @@ class TEBackend(Backend):
     def is_converted(self, module: nn.Module) -> bool:
         types = te_module_types()
         return bool(types) and isinstance(module, types)
+
+    def runs_fp8(self, module: nn.Module, input) -> bool:
+        """Whether this TELinear call runs in FP8 (TE's autocast is on and the input can be padded)."""
+        fp8_call = getattr(module, "fp8_call", None)
+        return bool(fp8_call(input)) if fp8_call is not None else False
 
     # running ------------------------------------------------------------------------------------------
     def autocast(self, recipe=None, enabled: bool = True):

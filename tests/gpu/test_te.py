@@ -1,5 +1,5 @@
 """The `te` engine on a real GPU with TransformerEngine 2.x (written against 2.20.2 on H100/H200):
-conversion both ways, recipes reaching TE, numerics against float64, the odd-token fallback,
+conversion both ways, recipes reaching TE, numerics against float64, odd token counts padded,
 checkpoints and exact resume, gradient-accumulation caching, and a small decoder trained within
 5% of bf16 (through the API and through fp8plug.Accelerator)."""
 
@@ -229,23 +229,23 @@ def test_eval_equals_the_bf16_forward(engine):
     assert rel_error(in_train, reference) > 2 * rel_error(in_eval, reference)
 
 
-def test_odd_token_counts_run_in_high_precision_in_train_and_eval(engine):
+def test_odd_token_counts_run_in_fp8_padded_in_train_and_eval(engine):
     base = linear_stack()
     recipe = FP8RecipeKwargs(backend="te", use_autocast_during_eval=True)
     model = converted(copy.deepcopy(base), recipe)
     for _ in range(2):
         model(torch.randn(2, 8, 256, device=DEVICE, dtype=BF16)).float().sum().backward()
+    fp8plug.fp8_coverage(model, reset=True)
 
     seven = torch.randn(1, 7, 256, device=DEVICE, dtype=BF16, requires_grad=True)
-    out = model(seven)  # TE alone raises ValueError here (checked below)
+    out = model(seven)  # TE alone raises ValueError here (checked below); fp8plug pads to 8 tokens
     out.float().sum().backward()
-    assert torch.isfinite(seven.grad).all()
+    assert out.shape == (1, 7, 128) and seven.grad.shape == seven.shape and torch.isfinite(seven.grad).all()
     with torch.no_grad():
-        assert rel_error(out, base(seven)) < 5e-3  # that forward ran in high precision
-        eight = torch.randn(1, 8, 256, device=DEVICE, dtype=BF16)
-        assert rel_error(model(eight), base(eight)) > 5e-3  # aligned inputs still run FP8
+        assert 5e-3 < rel_error(out, base(seven)) < 0.1  # that forward ran in FP8
         model.eval()
-        assert rel_error(model(seven), base(seven)) < 5e-3  # eval with FP8 on: same fallback
+        assert 5e-3 < rel_error(model(seven), base(seven)) < 0.1  # eval with FP8 on: padded too
+    assert fp8plug.fp8_coverage(model)["layers"] == {"0": (2, 0), "2": (2, 0)}
     with engine.autocast(recipe):  # without the wrapper too
         model[0](seven.detach())
 

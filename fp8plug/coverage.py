@@ -1,0 +1,192 @@
+"""What ran in FP8: a running count per converted Linear, and the one log line at conversion.
+
+Why: an FP8 run can silently be a high-precision run. A layer an engine leaves alone, a region
+that turns FP8 off, an input the GEMM cannot take: nothing fails, the loss looks fine, and the
+speed-up is gone. So each converted nn.Linear counts its forward calls in two bins, FP8 and high
+precision, and `fp8_coverage(model)` reads them back; conversion logs one line saying how many
+Linear layers run in FP8 and why the others do not (`log_conversion`).
+
+How the count stays cheap and torch.compile-friendly: the counts live in a non-persistent int64
+buffer of two elements on the layer's device (`fp8plug_gemm_counts`: FP8, high precision),
+incremented in place by a forward pre-hook, so a compiled graph mutates a buffer like any other
+(no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
+left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
+the converted root). Whether a call runs in FP8 is the engine's answer
+(`Backend.runs_fp8(module, input)`); an engine that does not say gets no counter.
+
+What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
+the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
+plus any eval-mode call that runs in FP8. Eval-mode calls in high precision, the default eval
+policy, are not counted. A forward recomputed by activation checkpointing is counted once. The
+counts are this process's own; they restart with the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
+FP8, HIGH_PRECISION = 0, 1
+DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"  # what DDP reads on the module it wraps
+
+logger = logging.getLogger("fp8plug")
+
+
+# --- counting ---------------------------------------------------------------------------------------
+
+
+class GemmCounter:
+    """The forward pre-hook that counts one call of a converted Linear as FP8 or high precision.
+
+    A picklable object (not a closure) so converted models still pickle; it keeps the engine's
+    name and looks the engine up again after unpickling."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._engine = _engine(backend)
+
+    def __getstate__(self):
+        return {"backend": self.backend}
+
+    def __setstate__(self, state):
+        self.backend = state["backend"]
+        self._engine = _engine(self.backend)
+
+    def __call__(self, module: nn.Module, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        fp8 = bool(self._engine.runs_fp8(module, x))
+        if not (fp8 or module.training):
+            return None
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return None  # a forward recomputed during backward (activation checkpointing)
+        module._buffers[COUNTS].select(0, FP8 if fp8 else HIGH_PRECISION).add_(1)
+        return None
+
+
+def _engine(backend: str):
+    from .backends import get_backend
+
+    return get_backend(backend)
+
+
+def engine_counts(backend: str) -> bool:
+    """Whether the engine says, per call, whether a layer runs in FP8 (Backend.runs_fp8)."""
+    from .backends.base import Backend
+
+    return type(_engine(backend)).runs_fp8 is not Backend.runs_fp8
+
+
+def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> bool:
+    """Give the converted Linear `module` (at `fqn` in `root`) its counter; False where the engine
+    cannot say per call whether it runs FP8. Idempotent."""
+    if has_gemm_counter(module):
+        return True
+    if not engine_counts(backend):
+        return False
+    device = next((p.device for p in module.parameters(recurse=False)), None)
+    module.register_buffer(COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+    module.register_forward_pre_hook(GemmCounter(backend), with_kwargs=True)
+    ignored = list(getattr(root, DDP_IGNORE, ()))
+    name = f"{fqn}.{COUNTS}" if fqn else COUNTS
+    if name not in ignored:
+        setattr(root, DDP_IGNORE, ignored + [name])
+    return True
+
+
+def has_gemm_counter(module: nn.Module) -> bool:
+    return COUNTS in module._buffers
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's and DDP's wrappers, so names are the user's own."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
+    """The running GEMM counts of `model`'s converted Linear layers:
+
+        {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
+
+    counted per forward call since conversion (or the last reset; see the module doc for what
+    counts). `reset=True` zeroes the counts after reading them, e.g. once per logging interval.
+    Reading costs one device synchronisation. A model with no counted layer gives zeros and {}.
+    """
+    model = _unwrap(model)
+    found = [(fqn, m._buffers[COUNTS]) for fqn, m in model.named_modules() if has_gemm_counter(m)]
+    found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
+    layers: Dict[str, Tuple[int, int]] = {}
+    if found:
+        with torch.no_grad():
+            values = torch.stack([counts.detach().to(found[0][1].device) for _, counts in found]).tolist()
+            if reset:
+                for _, counts in found:
+                    counts.zero_()
+        layers = {fqn: (int(fp8), int(hp)) for (fqn, _), (fp8, hp) in zip(found, values)}
+    return {
+        "fp8_gemms": sum(fp8 for fp8, _ in layers.values()),
+        "high_precision_gemms": sum(hp for _, hp in layers.values()),
+        "layers": layers,
+    }
+
+
+# --- the log line ------------------------------------------------------------------------------------
+
+
+def is_main_process() -> bool:
+    """Whether this process logs: accelerate's main process where its state exists, else rank 0
+    of torch.distributed, else the RANK variable a launcher set (0 without one)."""
+    try:
+        from accelerate.state import PartialState
+
+        if PartialState._shared_state:  # never build it here: that would start distributed
+            return bool(PartialState().is_main_process)
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def describe_engine(engine, recipe=None) -> str:
+    """'ao (torchao float8 0.18.0, tensorwise scaling)': the engine, its version and scaling."""
+    version = engine.probe().version
+    details = [f"{engine.title}{f' {version}' if version else ''}"]
+    scaling = None
+    if recipe is not None and hasattr(recipe, "scaling"):
+        try:
+            scaling = engine.scaling_name(recipe)
+        except (ValueError, IndexError):
+            scaling = None
+    if scaling:
+        details.append(f"{scaling} scaling")
+    return f"{engine.name} ({', '.join(details)})"
+
+
+def log_conversion(report, engine_text: str, subject: str = "model") -> Optional[str]:
+    """Log the conversion's one-line summary under the `fp8plug` logger, on the main process only:
+    INFO when some Linear runs in FP8, WARNING when none does (the model then trains in high
+    precision although FP8 was asked for). The full report goes to DEBUG. Returns the line."""
+    if not is_main_process():
+        return None
+    line = f"fp8plug: FP8 with {engine_text}: {report.summary(subject)}"
+    if report.fp8_linears:
+        logger.info(line)
+    else:
+        line += "; it trains in high precision although FP8 was asked for"
+        logger.warning(line)
+    logger.debug("fp8plug: conversion report\n%s", report)
+    return line
+
+
+__all__ = ["count_gemms", "describe_engine", "fp8_coverage", "has_gemm_counter", "is_main_process", "log_conversion"]
