@@ -121,9 +121,24 @@ def main(argv=None) -> int:
     state_dict = accelerator.get_state_dict(model)
     info["weights"] = weights_digest(state_dict)
     info["state_dict_keys"] = sorted(state_dict)[:4] if state_dict else []
+    info["fp8_state"] = fp8_state_digest(accelerator, model)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report(info, args.out)
+
+
+def fp8_state_digest(accelerator, model):
+    """A sha256 of the engine's FP8 scaling state (amax histories, scales), or None without one:
+    with delayed scaling every rank must hold the same state (amaxes are reduced across ranks)."""
+    engine = accelerator.fp8_engine
+    state = engine.fp8_state(accelerator.unwrap_model(model)) if engine is not None else {}
+    if not state:
+        return None
+    sha = hashlib.sha256()
+    for fqn in sorted(state):
+        for name in sorted(state[fqn]):
+            sha.update(state[fqn][name].detach().float().cpu().numpy().tobytes())
+    return sha.hexdigest()
 
 
 def report(info: dict, out) -> int:

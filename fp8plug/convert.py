@@ -289,3 +289,11 @@ def record_converted(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module,
     report.converted.append(fqn)
     if isinstance(old, nn.Linear):
         count_gemms(model, fqn, new, report.backend)
+
+
+def ignore_in_ddp(root: nn.Module, names: Iterable[str]) -> None:
+    """Add buffer names (relative to `root`) to those DistributedDataParallel leaves alone when it
+    broadcasts rank 0's buffers before each forward: per-rank state (recorded amaxes, GEMM counts)
+    must not be overwritten. DDP reads `_ddp_params_and_buffers_to_ignore` on the module it wraps."""
+    known = list(getattr(root, "_ddp_params_and_buffers_to_ignore", ()))
+    root._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]

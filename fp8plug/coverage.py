@@ -32,7 +32,6 @@ from torch import nn
 
 COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
 FP8, HIGH_PRECISION = 0, 1
-DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"  # what DDP reads on the module it wraps
 
 logger = logging.getLogger("fp8plug")
 
@@ -91,10 +90,9 @@ def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> b
     device = next((p.device for p in module.parameters(recurse=False)), None)
     module.register_buffer(COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
     module.register_forward_pre_hook(GemmCounter(backend), with_kwargs=True)
-    ignored = list(getattr(root, DDP_IGNORE, ()))
-    name = f"{fqn}.{COUNTS}" if fqn else COUNTS
-    if name not in ignored:
-        setattr(root, DDP_IGNORE, ignored + [name])
+    from .convert import ignore_in_ddp  # convert imports this module
+
+    ignore_in_ddp(root, [f"{fqn}.{COUNTS}" if fqn else COUNTS])
     return True
 
 

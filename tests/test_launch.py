@@ -64,6 +64,8 @@ def test_two_cpu_processes_ddp_over_gloo_end_identical(tmp_path):
         assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]  # it trained
     assert results[0]["weights"] == results[1]["weights"]  # identical weights on both ranks
     assert results[0]["losses"] == results[1]["losses"]
+    # each rank sees its own batch, but the amaxes are reduced across ranks: one scaling state
+    assert results[0]["fp8_state"] is not None and results[0]["fp8_state"] == results[1]["fp8_state"]
 
 
 def test_cli_flags_lower_case_ao_trains_on_cpu(tmp_path):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..convert import ConversionReport, linear_alignment_problem, plan_conversion, swap_modules
+from ..convert import ConversionReport, ignore_in_ddp, linear_alignment_problem, plan_conversion, swap_modules
 from ..scaling import (
     E4M3,
     E5M2,
@@ -477,10 +477,3 @@ class NativeBackend(Backend):
                     )
                 target.copy_(saved)
             module.fp8_started = tuple(bool(n > 0) for n in module.fp8_step.tolist())
-
-
-def ignore_in_ddp(model: nn.Module, names: List[str]) -> None:
-    """Add buffer names (relative to `model`) to those DistributedDataParallel leaves alone: DDP
-    reads `_ddp_params_and_buffers_to_ignore` from the module it wraps."""
-    known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    model._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]
