@@ -180,7 +180,7 @@ def test_warning_when_no_linear_runs_in_fp8(caplog):
     assert not records(caplog, logging.INFO)
 
 
-def test_only_the_main_process_logs(caplog, monkeypatch):
+def test_only_the_main_process_logs(caplog, monkeypatch, fresh_accelerate):  # no earlier Accelerator's state
     monkeypatch.setenv("RANK", "1")  # a launcher's second process, before torch.distributed starts
     with caplog.at_level(logging.INFO, logger="fp8plug"):
         fp8plug.convert_model(mlp(), recipe=ao())
