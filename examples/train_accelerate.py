@@ -137,7 +137,11 @@ def fp8_state_digest(accelerator, model):
     sha = hashlib.sha256()
     for fqn in sorted(state):
         for name in sorted(state[fqn]):
-            sha.update(state[fqn][name].detach().float().cpu().numpy().tobytes())
+            value = state[fqn][name]
+            if isinstance(value, torch.Tensor):
+                sha.update(value.detach().float().cpu().numpy().tobytes())
+            else:  # an engine's non-tensor entries (TransformerEngine's recipe name, say)
+                sha.update(repr(value).encode())
     return sha.hexdigest()
 
 

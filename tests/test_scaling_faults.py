@@ -327,15 +327,19 @@ def _hand_built_ddp(rank, world, port, out_dir):
     model = mlp()
     ddp = nn.parallel.DistributedDataParallel(model)  # broadcast_buffers=True, the default
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    collectives = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: collectives.append(1) or all_reduce(*args, **kwargs)
     for step in range(4):
         ddp(_unequal_batch(rank, step)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+    dist.all_reduce = all_reduce
     x = _unequal_batch(rank, 99)
     with torch.no_grad():
         error = rel_error(model[0](x), reference_linear(model[0], x))
-    torch.save({"error": error, "scale": model[0].fp8_scale.clone(), "history": model[0].fp8_amax_history.clone()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"error": error, "scale": model[0].fp8_scale.clone(), "history": model[0].fp8_amax_history.clone(),
+                "collectives": len(collectives)}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -396,6 +400,7 @@ def test_hand_built_ddp_shares_one_scale_from_all_ranks(tmp_path):
     assert results[0]["history"][0, 0].item() > 3 * 4.0
     for result in results:
         assert result["error"] < 0.1, results
+        assert result["collectives"] == 4  # one amax all-reduce per step for both layers, not one per layer
 
 
 @pytest.mark.slow
