@@ -340,7 +340,14 @@ def _hand_built_ddp(rank, world, port, out_dir):
         error = rel_error(model[0](x), reference_linear(model[0], x))
     torch.save({"error": error, "scale": model[0].fp8_scale.clone(), "history": model[0].fp8_amax_history.clone(),
                 "collectives": len(collectives)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
+
+
+def _leave():
+    """End a worker without the interpreter's teardown: gloo's process-group destructor can abort
+    or deadlock there ("terminate called without an active exception") after the work is done."""
+    dist.barrier()  # every rank is done with its collectives
+    os._exit(0)
 
 
 def _accelerator_resume(rank, world, port, out_dir):
@@ -380,7 +387,7 @@ def _accelerator_resume(rank, world, port, out_dir):
     resumed = first + steps(acc, model, optimizer, 3, 6)
     torch.save({"whole": whole, "resumed": resumed, "saved": saved, **state},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    acc.end_training()
+    _leave()
 
 
 def spawn(worker, tmp_path, world=2):

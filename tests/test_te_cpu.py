@@ -256,8 +256,8 @@ def test_interval_scaling_recomputes_every_interval_updates_with_te_formula():
 
 
 def test_gemm_alignment_follows_te_rules():
-    assert not te_engine.fp8_input_fits((1, 7, 256))
-    assert te_engine.fp8_input_fits((1, 8, 256)) and te_engine.fp8_input_fits((2, 4, 256))
+    assert not te_engine.fp8_input_fits((1, 7, 256)) and not te_engine.fp8_input_fits((1, 8, 256))
+    assert te_engine.fp8_input_fits((1, 16, 256)) and te_engine.fp8_input_fits((2, 8, 256))
     assert not te_engine.fp8_input_fits((8, 24))
     assert not te_engine.fp8_input_fits((16, 256), "mxfp8") and te_engine.fp8_input_fits((32, 256), "mxfp8")
     assert not te_engine.fp8_input_fits((256,))
@@ -267,8 +267,8 @@ def test_odd_token_counts_are_padded_to_te_multiple_features_never():
     def plan(shape, kind="fp8"):
         return te_engine.fp8_token_multiple(torch.zeros(shape), kind)
 
-    assert plan((1, 8, 256)) == 1 and plan((2, 4, 256)) == 1  # fits as it is
-    assert plan((1, 7, 256)) == 8 and plan((8, 31, 256)) == 1 and plan((2047, 256)) == 8
+    assert plan((1, 16, 256)) == 1 and plan((2, 8, 256)) == 1  # fits as it is
+    assert plan((1, 7, 256)) == 16 and plan((8, 31, 256)) == 16 and plan((2047, 256)) == 16
     assert plan((33, 256), "mxfp8") == 32 and plan((15, 256), "nvfp4") == 16
     assert plan((8, 24)) is None and plan((256,)) is None and plan((0, 256)) is None  # cannot pad those
 
@@ -276,7 +276,7 @@ def test_odd_token_counts_are_padded_to_te_multiple_features_never():
         pass
 
     assert te_engine.fp8_token_multiple(torch.zeros(7, 256).as_subclass(Quantized)) is None
-    assert te_engine.fp8_token_multiple(torch.zeros(8, 256).as_subclass(Quantized)) == 1
+    assert te_engine.fp8_token_multiple(torch.zeros(16, 256).as_subclass(Quantized)) == 1
 
 
 def test_warn_once_per_process():

@@ -232,10 +232,12 @@ def scaling_hardware_problem(scaling: str, capability: Tuple[int, int], cuda_ver
 
 
 def gemm_alignment(kind: str) -> Tuple[int, int]:
-    """(token multiple, feature multiple) an FP8 GEMM input needs under a recipe kind: TE's
-    assert_dim_for_fp8_exec for FP8 per-tensor and block scaling, the 32-element blocks of MXFP8,
-    the 16-element blocks of NVFP4."""
-    return {"mxfp8": (32, 32), "nvfp4": (16, 16)}.get(kind, (8, 16))
+    """(token multiple, feature multiple) an FP8 GEMM input needs under a recipe kind. For FP8
+    per-tensor and block scaling, TE's forward check (assert_dim_for_fp8_exec) takes tokens in
+    multiples of 8, but the weight-gradient GEMM has the tokens as its leading dimension, which
+    cuBLASLt wants in multiples of 16 (an H100 rejected 8-aligned padding with "lda % 16 == 0");
+    MXFP8 has 32-element blocks, NVFP4 16-element blocks."""
+    return {"mxfp8": (32, 32), "nvfp4": (16, 16)}.get(kind, (16, 16))
 
 
 def fp8_input_fits(shape, kind: str = "fp8") -> bool:

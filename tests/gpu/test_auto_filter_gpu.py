@@ -24,9 +24,11 @@ def model():
 
 
 @pytest.mark.parametrize("backend", ["native", "ao", "te"])
-def test_default_filter_through_convert_model(backend):
+def test_convert_model_filters_only_when_asked(backend):
+    """Accelerate's contract for convert_model: every eligible layer; the filter on request."""
     pytest.importorskip({"native": "torch", "ao": "torchao", "te": "transformer_engine.pytorch"}[backend])
-    report = fp8plug.convert_model(model(), backend=backend)
+    assert fp8plug.convert_model(model(), backend=backend).converted == ["0", "1", "2"]
+    report = fp8plug.convert_model(model(), recipe=FP8RecipeKwargs(backend=backend, auto_filter=True))
     assert report.converted == ["0"], report
     assert all(reason.startswith("auto_filter:") for reason in report.skipped.values()), report
 

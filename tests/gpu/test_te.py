@@ -238,7 +238,7 @@ def test_odd_token_counts_run_in_fp8_padded_in_train_and_eval(engine):
     fp8plug.fp8_coverage(model, reset=True)
 
     seven = torch.randn(1, 7, 256, device=DEVICE, dtype=BF16, requires_grad=True)
-    out = model(seven)  # TE alone raises ValueError here (checked below); fp8plug pads to 8 tokens
+    out = model(seven)  # TE alone raises ValueError here (checked below); fp8plug pads to 16 tokens
     out.float().sum().backward()
     assert out.shape == (1, 7, 128) and seven.grad.shape == seven.shape and torch.isfinite(seven.grad).all()
     with torch.no_grad():
