@@ -106,7 +106,11 @@ def test_odd_token_counts_run_fp8_and_equal_hand_padding(recipe, shape):
     assert out.shape == (*shape, 256) and dx.shape == x.shape
     assert rel_error(out.reshape(rows, 256), out_h[:rows]) < 1e-5
     assert rel_error(dx.reshape(rows, 512), dx_h[:rows]) < 1e-5
-    assert rel_error(dw, dw_h) < 1e-5 and rel_error(db, db_h) < 1e-5
+    # TE's delayed scaling updates every TE module's scales at each autocast exit, process-wide, so
+    # the second model's grad_output scale has moved on by the time it runs: its weight gradient
+    # matches to FP8's precision, not bit for bit (float64 below holds it to 18 dB either way).
+    dw_tolerance = 0.1 if (backend, scaling) == ("te", "delayed") else 1e-5
+    assert rel_error(dw, dw_h) < dw_tolerance and rel_error(db, db_h) < 1e-5
 
     xd = x.double().requires_grad_()
     wd = plain[0].weight.detach().double().requires_grad_()
