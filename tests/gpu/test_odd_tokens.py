@@ -105,12 +105,12 @@ def test_odd_token_counts_run_fp8_and_equal_hand_padding(recipe, shape):
     out, dx, dw, db = got
     assert out.shape == (*shape, 256) and dx.shape == x.shape
     assert rel_error(out.reshape(rows, 256), out_h[:rows]) < 1e-5
-    assert rel_error(dx.reshape(rows, 512), dx_h[:rows]) < 1e-5
     # TE's delayed scaling updates every TE module's scales at each autocast exit, process-wide, so
-    # the second model's grad_output scale has moved on by the time it runs: its weight gradient
-    # matches to FP8's precision, not bit for bit (float64 below holds it to 18 dB either way).
-    dw_tolerance = 0.1 if (backend, scaling) == ("te", "delayed") else 1e-5
-    assert rel_error(dw, dw_h) < dw_tolerance and rel_error(db, db_h) < 1e-5
+    # the second model's grad_output scale has moved on by the time it runs: its gradients match
+    # to FP8's precision, not bit for bit (float64 below holds them to 18 dB either way).
+    grad_tolerance = 0.1 if (backend, scaling) == ("te", "delayed") else 1e-5
+    assert rel_error(dx.reshape(rows, 512), dx_h[:rows]) < grad_tolerance
+    assert rel_error(dw, dw_h) < grad_tolerance and rel_error(db, db_h) < 1e-5
 
     xd = x.double().requires_grad_()
     wd = plain[0].weight.detach().double().requires_grad_()
