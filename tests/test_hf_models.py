@@ -13,14 +13,13 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import fp8plug
+from tests._hf import VOCAB, fresh, tiny_llama
 from fp8plug import FP8RecipeKwargs, apply_fp8_autowrap, remove_fp8_autowrap
 
-VOCAB = 128
 
 
 @pytest.fixture(autouse=True)
@@ -33,17 +32,8 @@ def clean_accelerate(monkeypatch):
     fresh()
 
 
-def fresh():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    return LlamaForCausalLM(config)
 
 
 def accelerator(backend):

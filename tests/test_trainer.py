@@ -11,15 +11,14 @@ import os
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import fp8plug
+from tests._hf import VOCAB, fresh, tiny_llama
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends.native import NativeFP8Linear
 from fp8plug.transformers import FP8_STATE_NAME, FP8Trainer, FP8TrainerMixin
 
-VOCAB = 128
 SEQ = 16
 
 
@@ -30,19 +29,11 @@ def clean_accelerate(monkeypatch):
         if name.startswith("ACCELERATE_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh()
 
 
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    return LlamaForCausalLM(config)
 
 
 class Counting(torch.utils.data.Dataset):
@@ -74,9 +65,6 @@ def losses(trainer, after_step=0):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > after_step]
 
 
-def fresh():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_import_fp8plug_does_not_import_transformers():
