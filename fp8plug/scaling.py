@@ -122,7 +122,4 @@ def write_back(targets: Sequence[torch.Tensor], rows: torch.Tensor) -> None:
             target.copy_(source)
 
 
-def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(list(tensors))
-
 

@@ -37,6 +37,7 @@ from ..scaling import (
     write_back,
 )
 from .base import Backend, Probe
+from .padding import pad_tokens, token_count
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ALIGN = 16
@@ -178,7 +179,8 @@ class NativeFP8Linear(nn.Linear):
             )
         self.scaling = scaling if isinstance(scaling, str) else modes
         self.scaling_modes = modes
-        self.delayed = "delayed" in modes
+        self.delayed_slots = tuple(mode == "delayed" for mode in modes)  # (input, weight, grad_output)
+        self.delayed = any(self.delayed_slots)
         self.fp8_format = fp8_format
         self.fwd_dtype = E4M3
         self.bwd_dtype = E5M2 if fp8_format == "HYBRID" else E4M3
@@ -242,8 +244,8 @@ class NativeFP8Linear(nn.Linear):
 
     def runs_fp8(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` runs its GEMMs in FP8 (the test `forward` makes)."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return self.fp8_active() and rows > 0 and not x.shape[-1] % ALIGN and not self.out_features % ALIGN
+        return (self.fp8_active() and token_count(x) > 0 and not x.shape[-1] % ALIGN
+                and not self.out_features % ALIGN)
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -253,18 +255,18 @@ class NativeFP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.runs_fp8(x):
             return super().forward(x)
-        rows = x.numel() // x.shape[-1]
+        # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
+        return pad_tokens(self._fp8_forward, x, ALIGN)
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        padding = -rows % ALIGN
-        if padding:  # zero rows change no amax and no weight gradient; their outputs are dropped
-            x2 = F.pad(x2, (0, 0, 0, padding))
         x_amax = amax_of(x2)
         w_amax = amax_of(self.weight)
         x_scale = self._forward_scale(INPUT, x_amax, self.fwd_dtype)
         w_scale = self._forward_scale(WEIGHT, w_amax, self.fwd_dtype)
         grad_record = None
         if self.delayed and self.training:  # only delayed tensors keep a history
-            delayed = [mode == "delayed" for mode in self.scaling_modes]
+            delayed = self.delayed_slots
             with torch.no_grad():
                 if delayed[INPUT] and delayed[WEIGHT]:
                     record_amax(self.fp8_amax_recorded[:2], torch.stack([x_amax, w_amax]))
@@ -279,8 +281,6 @@ class NativeFP8Linear(nn.Linear):
         out_dtype = self._out_dtype(x)
         config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
         out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, self.fp8_scale[GRAD_OUTPUT], grad_record, config)
-        if padding:
-            out = out[:rows]
         if self.bias is not None:
             out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

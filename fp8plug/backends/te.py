@@ -12,8 +12,8 @@ What it does, and why:
   nn.RMSNorm(eps=None) means "the input dtype's eps"; TE needs a number, so it gets the
   parameters' dtype eps, and unconvert restores None.
 - Converted Linears are `TELinear`, a te.Linear subclass with two additions:
-  1. A forward whose token count TE's FP8 GEMM would reject (not divisible by 8, e.g. 7 tokens
-     in generation or an odd length from dynamic padding; 32 for MXFP8, 16 for NVFP4) runs in
+  1. A forward whose token count TE's FP8 GEMMs would reject (not divisible by 16, e.g. 7 tokens
+     in generation or an odd length from dynamic padding; 32 for MXFP8; see gemm_alignment) runs in
      FP8 all the same: the tokens are zero-padded up to the multiple and the padding rows sliced
      off the output (backends.padding: the real rows' outputs and gradients are unchanged).
      An input whose features do not fit, or that is not a plain tensor, runs that layer in high
@@ -453,8 +453,8 @@ def te_linear_class() -> type:
     manager = _state_manager()
 
     class TELinear(te.Linear):
-        """te.Linear that pads an input's tokens up to what TE's FP8 GEMM takes (e.g. 7 tokens to
-        8), runs a forward in high precision when padding cannot help (features misaligned), and
+        """te.Linear that pads an input's tokens up to what TE's FP8 GEMMs take (e.g. 7 tokens to
+        16), runs a forward in high precision when padding cannot help (features misaligned), and
         takes is_first_microbatch from fp8plug.backends.te.microbatch."""
 
         def forward(self, inp, *args, **kwargs):
