@@ -58,6 +58,7 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from step_profile import memory_at_peak, profile_steps  # noqa: E402
 from train_step import count_fp8_modules  # noqa: E402
 
 PRESETS = {
@@ -204,7 +205,8 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     return accelerator, model, optimizer, scheduler
 
 
-def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float) -> dict:
+def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float,
+            profile: int = 0) -> dict:
     """Train `row` for `steps` steps; its numbers, or `error` saying why it could not."""
     import torch
 
@@ -219,7 +221,7 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
         if why:
             result["error"] = f"unavailable: {why}"
             return result
-        result.update(train(row, spec, steps, warmup, lr, device, t0))
+        result.update(train(row, spec, steps, warmup, lr, device, t0, profile))
     except Exception as exc:  # noqa: BLE001 - a row that fails is a row with its reason
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         result["error"] = f"{type(exc).__name__}: {first}"
@@ -227,12 +229,13 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
     return result
 
 
-def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float) -> dict:
+def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float, profile: int = 0) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
     cuda = device.type == "cuda"
     accelerator, model, optimizer, scheduler = setup(row, spec, device, steps, lr)
+    prepared_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
     data = make_batches(spec, steps).to(accelerator.device)
     engine = getattr(accelerator, "fp8_engine", None)
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -250,14 +253,17 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
         else:
             marks.append(time.perf_counter())
 
-    mark()
-    for i in range(steps):
+    def step(i):
         loss = model(input_ids=data[i], labels=data[i]).loss
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach()
+
+    mark()
+    for i in range(steps):
+        losses.append(step(i))
         mark()
         if i in (0, warmup - 1):
             if cuda:
@@ -269,6 +275,9 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
         torch.cuda.synchronize()
         ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["memory"] = dict(memory_at_peak(), after_prepare_gb=round(prepared_gb, 3))
+        if profile:
+            out["profile"] = profile_steps(lambda: step(steps - 1), profile)
     else:
         ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
     out["step_ms"] = statistics.median(ms[warmup:])
@@ -295,7 +304,7 @@ def spawn(row: str, args, timeout: float) -> dict:
         sizes = [x for key, value in args.spec.items() for x in (f"--{key.replace('_', '-')}", str(value))]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--row", row, "--json", str(path), *sizes,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
-               "--device", args.device, "--t0", str(time.time())]
+               "--device", args.device, "--profile", str(args.profile), "--t0", str(time.time())]
         env = dict(os.environ)
         if not args.warm_cache:
             env.update(TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
@@ -402,6 +411,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write meta and rows here (rewritten after each row)")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print one table from earlier --json files (later files win per row) and run nothing")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="on a GPU, profile N more steps after the timed ones (kernel groups and top kernels in the JSON)")
     p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -467,7 +478,8 @@ def main(argv=None) -> int:
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 command="python3 benchmarks/hf_llama.py " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.row:  # one row, in this process (what the parent's children run)
-        rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START)]
+        rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START,
+                        args.profile)]
     elif args.table:
         meta, rows = merge(args.table)
     else:

@@ -88,11 +88,22 @@ def fold_delayed_scaling(history, scale, step, amax, settings: DelayedSettings):
     history = torch.where(good.unsqueeze(1), rolled, history)
     step = step + good.long()
     reduced = history[:, 0] if settings.algo == "most_recent" else history.amax(dim=1)
-    fp8_max = torch.tensor(settings.fp8_max, dtype=torch.float32, device=amax.device)
-    recomputed = scale_from_amax(reduced, fp8_max, settings.margin, fallback=scale)
+    recomputed = scale_from_amax(reduced, _constant(settings.fp8_max, amax.device), settings.margin, fallback=scale)
     due = good & ((step == 1) | (step % settings.interval == 0))
     scale = torch.where(due, recomputed, scale)
     return history, scale, step
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(values: tuple, device: torch.device) -> torch.Tensor:
+    """`values` as a float32 tensor on `device`, made once: building it from Python every step
+    would be a blocking host-to-device copy, which stalls the CPU until the GPU has drained."""
+    key = (values, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
 
 
 def encode_for_reduction(recorded: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,7 @@ def test_delayed_scaling_interval():
     for amax in [1.0, 2.0, 4.0, 8.0, 16.0]:
         x = torch.zeros(16, 16)
         x[0, 0] = amax
-        scales.append(layer.fp8_scale[0].item() if layer.fp8_started[0] else "current")
+        scales.append(layer.fp8_scale[0].item() if layer.fp8_step[0] > 0 else "current")
         layer(x)
         sync_fp8_scaling(layer)
     m = FP8_MAX[E4M3]

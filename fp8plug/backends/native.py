@@ -44,11 +44,6 @@ ALIGN = 16
 # The scaling state of a NativeFP8Linear, all non-persistent buffers (the state dict stays the
 # plain Linear's); fp8plug's checkpoint helpers carry them beside the weights.
 STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded")
-# How many end-of-step updates may read back (one host sync each) whether a module's slots have
-# had their first good step. A slot still without one after that (a layer whose backward never
-# runs) keeps scaling from its current amax, which is correct, only without delayed scaling's
-# saved read.
-_START_CHECKS = 8
 
 
 class _Region:
@@ -125,10 +120,8 @@ class _FP8Linear(torch.autograd.Function):
         x_t, w_t, x_scale, w_scale, grad_scale, *high = ctx.saved_tensors
         g_amax = amax_of(grad_out)
         fp8_max = FP8_MAX[bwd_dtype]
-        if grad_mode == "delayed":  # the scale decided at the end of the last step
-            g_scale = grad_scale
-        elif grad_mode == "first":  # delayed scaling before its first step: from the current amax
-            g_scale = scale_from_amax(g_amax, fp8_max, margin)
+        if grad_mode == "delayed":  # the scale set at the end of the last step; before the first, the current amax's
+            g_scale = torch.where(grad_scale > 0, grad_scale, scale_from_amax(g_amax, fp8_max, margin))
         else:
             g_scale = scale_from_amax(g_amax, fp8_max)
         if ctx.grad_record is not None:
@@ -141,8 +134,9 @@ class _FP8Linear(torch.autograd.Function):
             grad_x = _scaled_mm(g_fp8, w_t.t(), g_scale, w_scale, out_dtype, False)
         if override[2]:
             grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
-        else:
-            grad_w = _scaled_mm(g_fp8.t().contiguous(), x_t.t(), g_scale, x_scale, out_dtype, False)
+        else:  # written in the weight's own dtype (fp32 master weights): no extra cast pass over it
+            wgrad_dtype = w_dtype if w_dtype in (torch.float32, torch.bfloat16, torch.float16) else out_dtype
+            grad_w = _scaled_mm(g_fp8.t().contiguous(), x_t.t(), g_scale, x_scale, wgrad_dtype, False)
         return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None, None
 
 
@@ -195,10 +189,6 @@ class NativeFP8Linear(nn.Linear):
         self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("fp8_amax_recorded", torch.full((3,), NOT_RECORDED, device=device), persistent=False)
-        # Per slot, whether its scale has had its first update: Python flags, so the compiled
-        # steady state has no first-step branch (one recompile after the first step).
-        self.fp8_started = (False, False, False)
-        self._start_checks_left = _START_CHECKS
         if self.delayed:
             track_for_sync(self)  # a layer built directly is synced like a converted model
 
@@ -276,23 +266,25 @@ class NativeFP8Linear(nn.Linear):
             if delayed[GRAD_OUTPUT]:
                 grad_record = self.fp8_amax_recorded[GRAD_OUTPUT:]
         grad_mode = self.scaling_modes[GRAD_OUTPUT]
-        if grad_mode == "delayed" and not self.fp8_started[GRAD_OUTPUT]:
-            grad_mode = "first"
+        grad_scale = self.fp8_scale[GRAD_OUTPUT]
+        if grad_mode == "delayed":  # 0 until the slot's first update: backward then uses the current amax
+            grad_scale = torch.where(self.fp8_step[GRAD_OUTPUT] > 0, grad_scale, torch.zeros_like(grad_scale))
         out_dtype = self._out_dtype(x)
         config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
-        out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, self.fp8_scale[GRAD_OUTPUT], grad_record, config)
+        out = _FP8Linear.apply(x2, self.weight, x_scale, w_scale, grad_scale, grad_record, config)
         if self.bias is not None:
             out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_scale(self, slot: int, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The scale for tensor `slot` (INPUT or WEIGHT) in this call: its own amax's (dynamic,
-        or delayed before the first update), else the one set at the end of the last step."""
+        or delayed before the first update), else the one set at the end of the last step. The
+        choice is a tensor `where` on the update count, not a Python branch, so a compiled model
+        keeps one graph from its first step on (no recompilation when the first update lands)."""
         if self.scaling_modes[slot] == "dynamic":
             return scale_from_amax(amax, FP8_MAX[dtype])
-        if not self.fp8_started[slot]:
-            return scale_from_amax(amax, FP8_MAX[dtype], self.margin)
-        return self.fp8_scale[slot]
+        first = scale_from_amax(amax, FP8_MAX[dtype], self.margin)
+        return torch.where(self.fp8_step[slot] > 0, self.fp8_scale[slot], first)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
@@ -372,12 +364,6 @@ def _fold_batch(layers: List[NativeFP8Linear], amax: torch.Tensor, settings: Del
     write_back([m.fp8_scale for m in layers], scale)
     write_back([m.fp8_step for m in layers], step)
     write_back([m.fp8_amax_recorded for m in layers], torch.full_like(amax, NOT_RECORDED))
-    waiting = [i for i, m in enumerate(layers) if not all(m.fp8_started) and m._start_checks_left > 0]
-    if waiting:
-        started = (step[waiting] > 0).tolist()  # one host read, only in a layer's first steps
-        for i, flags in zip(waiting, started):
-            layers[i].fp8_started = tuple(bool(f) for f in flags)
-            layers[i]._start_checks_left -= 1
 
 
 # --- the engine --------------------------------------------------------------------------------------
@@ -476,4 +462,3 @@ class NativeBackend(Backend):
                         "as when it was saved."
                     )
                 target.copy_(saved)
-            module.fp8_started = tuple(bool(n > 0) for n in module.fp8_step.tolist())

@@ -1,0 +1,66 @@
+"""Where a training step's GPU time goes: a few steps under torch.profiler, grouped by kind of kernel.
+
+Used by hf_llama.py --profile N (each row profiles its own steps after the timed ones), so two
+rows of one run can be compared kernel group by kernel group: which GEMMs ran (bf16 or FP8),
+attention, the optimizer, inductor's fused kernels (casts, norms, amax), everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+# kernel-name fragments -> group; the first group whose fragment occurs in the name wins
+GROUPS = (
+    ("gemm-fp8", ("e4m3", "e5m2", "f8f8", "fp8", "qqtst", "qqtnt", "qqnnt")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton", ("triton",)),
+    ("copy", ("copy", "cat", "fill", "memset", "memcpy")),
+)
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, parts in GROUPS:
+        if any(part in low for part in parts):
+            return group
+    return "other"
+
+
+def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
+    """Run `step` `steps` times under the profiler; per-step GPU milliseconds by group, the `top`
+    kernels by time, and the kernel count per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    groups: dict = {}
+    for e in kernels:
+        key = group_of(e.key)
+        groups[key] = groups.get(key, 0.0) + e.self_device_time_total / steps / 1e3
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return dict(
+        gpu_ms_per_step=round(sum(groups.values()), 3),
+        groups_ms={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        kernels_per_step=round(sum(e.count for e in kernels) / steps, 1),
+        top=[dict(name=e.key[:110], group=group_of(e.key), ms=round(e.self_device_time_total / steps / 1e3, 3),
+                  calls=round(e.count / steps, 1)) for e in kernels[:top]],
+    )
+
+
+def memory_at_peak() -> dict:
+    """torch's allocator figures (GB) for the process so far: peak allocated, peak reserved, and
+    the current allocation (the model, its gradients-to-be and the optimizer state after a step)."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    gb = 1e9
+    return dict(peak_allocated_gb=round(stats["allocated_bytes.all.peak"] / gb, 3),
+                peak_reserved_gb=round(stats["reserved_bytes.all.peak"] / gb, 3),
+                allocated_after_step_gb=round(stats["allocated_bytes.all.current"] / gb, 3))
