@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ..convert import ConversionReport, check_convertible, linear_alignment_problem, plan_conversion, replace_module
-from ..recipe import OPT_LEVELS
 from ..hardware import DeviceInfo
+from ..recipe import OPT_LEVELS
 from .base import Backend, Probe, probe_import
 
 CANNOT_INSTALL = (

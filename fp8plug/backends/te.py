@@ -303,6 +303,10 @@ class TEBackend(Backend):
 
         return swap_modules(model, targets, build, report)
 
+    def convert_layers(self, model: nn.Module, recipe, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """TE converts norms too: `convert` with convert_linear=`linear`, convert_norm=`norm`."""
+        return self.convert(model, recipe, convert_linear=linear, convert_norm=norm)
+
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap TE Linear / LayerNorm / RMSNorm modules back for torch ones sharing their
         parameters. A TE module with no exact torch equivalent (split, parallel or
