@@ -32,14 +32,6 @@ def gemm_alignment(kind: str) -> Tuple[int, int]:
     return {"mxfp8": (32, 32), "nvfp4": (16, 16)}.get(kind, (16, 16))
 
 
-def fp8_input_fits(shape, kind: str = "fp8") -> bool:
-    """Whether an input of this shape can go through TE's FP8 GEMM under a recipe kind as is."""
-    if len(shape) < 2:
-        return False
-    tokens, features = gemm_alignment(kind)
-    return math.prod(shape[:-1]) % tokens == 0 and shape[-1] % features == 0
-
-
 def fp8_token_multiple(inp, kind: str = "fp8") -> Optional[int]:
     """How an input goes through TE's FP8 GEMM under a recipe kind: 1 as it is, a larger number:
     after padding its tokens up to a multiple of it, None: not at all (features misaligned, no

@@ -18,11 +18,6 @@ class _Region:
     enabled: Optional[bool] = None
 
 
-def fp8_region_enabled() -> Optional[bool]:
-    """True or False inside an FP8 region, None outside any."""
-    return _Region.enabled
-
-
 def fp8_now(training: bool) -> bool:
     """Whether a layer in `training` mode runs FP8 now: the region's choice, else training mode."""
     region = _Region.enabled
