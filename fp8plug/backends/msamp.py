@@ -51,7 +51,6 @@ CANNOT_INSTALL = (
     "deprecated by Accelerate; use backend 'te', 'ao' or 'native' (with "
     "FP8RecipeKwargs.optimizer_states for low-precision optimizer states)"
 )
-DRIVEN_LEVELS = ("O1", "O2")  # of MS-AMP's OPT_LEVELS, those msamp.initialize takes
 SKIP_MARK = "use_fp32_linear"  # MS-AMP's LinearReplacer leaves a Linear carrying this as True
 _OUR_MARK = "_fp8plug_msamp_skip"  # set beside SKIP_MARK where fp8plug (not the user) set it
 _PLANNED = "_fp8plug_msamp_planned"
@@ -229,14 +228,15 @@ def _opt_level(recipe) -> str:
     """The level msamp.initialize gets: the recipe's (FP8RecipeKwargs checked it is one of
     MS-AMP's OPT_LEVELS), refusing 'O3', which msamp.initialize does not take."""
     level = str(getattr(recipe, "opt_level", "O2") or "O2").strip().upper()
+    driven = ", ".join(name for name in OPT_LEVELS if name != "O3")
     if level == "O3":
         raise ValueError(
             "FP8RecipeKwargs.opt_level: 'O3' (FP8 weights with FP16 master weights) exists only inside "
             "MS-AMP's DeepSpeed integration (a 'msamp' section in the DeepSpeed config), which fp8plug does "
-            f"not drive; use one of {', '.join(DRIVEN_LEVELS)}."
+            f"not drive; use one of {driven}."
         )
     if level not in OPT_LEVELS:
-        raise ValueError(f"FP8RecipeKwargs.opt_level: {level!r} is not an MS-AMP level; use one of {', '.join(DRIVEN_LEVELS)}.")
+        raise ValueError(f"FP8RecipeKwargs.opt_level: {level!r} is not an MS-AMP level; use one of {driven}.")
     return level
 
 
