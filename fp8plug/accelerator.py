@@ -21,7 +21,6 @@ import contextlib
 import copy
 import inspect
 import os
-import sys
 from typing import Dict, List, Optional
 
 import accelerate
@@ -30,15 +29,15 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
+from .api import convert_with_engine, loaded_backends
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
 from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
-from .convert import ConversionError, ConversionReport, wrapped_kind
-from .coverage import describe_engine, fp8_coverage, log_conversion
+from .convert import ConversionError, ConversionReport, check_convertible
+from .coverage import fp8_coverage
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
-from .roofline import with_auto_filter
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
 _ACCELERATE_FP8_HANDLERS = tuple(
@@ -116,7 +115,7 @@ class Accelerator(accelerate.Accelerator):
         if fp8_on:
             self.fp8_selection = select_backend(recipe.backend, device=self.device)
             self.fp8_engine = self.fp8_selection.backend
-            self.fp8_engine.scaling_name(recipe)  # a bad `scaling` fails here, not mid-prepare
+            self.fp8_engine.check_recipe(recipe)  # a recipe the engine refuses fails here, not mid-prepare
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models)
             self.register_for_checkpointing(self.fp8_checkpoint_state)
 
@@ -143,8 +142,8 @@ class Accelerator(accelerate.Accelerator):
     def _get_named_parameters(self, *args, drop_refs=False):
         # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
         # torchao's float8 weight wrapper (whose data_ptr() is 0) only when it believes torchao is
-        # the FP8 backend; that wrapper can only exist once torchao's fsdp_utils is imported.
-        self._fp8_as_ao = drop_refs and "torchao.float8.fsdp_utils" in sys.modules
+        # the FP8 backend; an engine says whether such weights can exist (has_storageless_weights).
+        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_backends())
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
         finally:
@@ -173,7 +172,7 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False)
         ]
         for i in new_models:
-            _refuse_wrapped(args[i], i)
+            check_convertible(args[i], f"prepare(): argument {i}: ")
         optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
         optimizers += [getattr(opt, "optimizer", opt) for opt in self._optimizers]
         for i in new_models:
@@ -199,10 +198,8 @@ class Accelerator(accelerate.Accelerator):
             # `accelerate launch` exports this as true by default; it only means something under FSDP2
             recipe = copy.copy(recipe)
             recipe.enable_fsdp_float8_all_gather = False
-        recipe = with_auto_filter(recipe, self.fp8_engine.name, self.fp8_selection.device)
         with torch.no_grad():
-            report = self.fp8_engine.convert(model, recipe)
-        log_conversion(report, describe_engine(self.fp8_engine, recipe), type(model).__name__)
+            report = convert_with_engine(model, recipe, self.fp8_engine, self.fp8_selection.device)
         after = dict(model.named_parameters(remove_duplicate=False))
         _rebind_optimizers(optimizers, before, after, type(model).__name__)
         install_plain_state_dict(model, self.fp8_engine)
@@ -285,11 +282,11 @@ class Accelerator(accelerate.Accelerator):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """accelerate's clip_grad_norm_, or the engine's own where torch's cannot read its
         gradients (MS-AMP's ScalingTensor gradients)."""
-        engine_clip = getattr(self.fp8_engine, "clip_grad_norm_", None)
-        if engine_clip is None:
+        engine = self.fp8_engine
+        if engine is None or type(engine).clip_grad_norm_ is Backend.clip_grad_norm_:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
-        return engine_clip(parameters, max_norm, norm_type=norm_type)
+        return engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # checkpoints -------------------------------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
@@ -366,16 +363,6 @@ def storage_view(param: torch.Tensor) -> torch.Tensor:
         except RuntimeError:
             return inner
     return param
-
-
-def _refuse_wrapped(model: nn.Module, index: int) -> None:
-    kind = wrapped_kind(model)
-    if kind:
-        raise ConversionError(
-            f"prepare(): argument {index} ({type(model).__name__}) is already {kind}; FP8 conversion must "
-            "come first. Pass the plain model: fp8plug.Accelerator converts it, then wraps it "
-            "(DDP/FSDP2) and compiles it (dynamo_backend) itself."
-        )
 
 
 def _on_meta(model: nn.Module) -> bool:

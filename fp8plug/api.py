@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Optional
 
 from torch import nn
 
 from .backends import get_backend, select_backend
+from .backends.base import Backend
 from .convert import ConversionReport
 from .coverage import describe_engine, log_conversion
 from .recipe import BACKENDS, FP8RecipeKwargs
@@ -39,15 +39,20 @@ def convert_model(
         return None
     recipe = recipe or FP8RecipeKwargs(backend=backend)
     selection = select_backend(backend or recipe.backend)
-    engine = selection.backend
-    if recipe.auto_filter is True:
-        recipe = with_auto_filter(recipe, engine.name, selection.device)
-    if "convert_norm" in inspect.signature(engine.convert).parameters:  # engines that convert norms too
-        report = engine.convert(model, recipe, convert_linear=_convert_linear, convert_norm=_convert_ln)
-    elif not _convert_linear:
-        report = ConversionReport(engine.name)
-    else:
-        report = engine.convert(model, recipe)
+    return convert_with_engine(model, recipe, selection.backend, selection.device,
+                               auto_filter=recipe.auto_filter is True, linear=_convert_linear, norm=_convert_ln)
+
+
+def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Backend, device, *,
+                        auto_filter: bool = True, linear: bool = True, norm: bool = True) -> ConversionReport:
+    """The one conversion path (convert_model and fp8plug.Accelerator both take it): check the
+    recipe against the engine, add the automatic speed filter where `auto_filter` (fp8plug.roofline
+    decides whether it applies on `device`, a hardware.DeviceInfo), let the engine convert, and log
+    one line under the `fp8plug` logger (fp8plug.coverage)."""
+    engine.check_recipe(recipe)
+    if auto_filter:
+        recipe = with_auto_filter(recipe, engine.name, device)
+    report = engine.convert_layers(model, recipe, linear=linear, norm=norm)
     log_conversion(report, describe_engine(engine, recipe), type(model).__name__)
     return report
 

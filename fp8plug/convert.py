@@ -66,15 +66,6 @@ class ConversionReport:
         lines += [f"  skipped   {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
-    def merge(self, other: "ConversionReport") -> "ConversionReport":
-        """Add `other`'s converted and skipped modules to this report (in place) and return it."""
-        self.converted += other.converted
-        self.skipped.update(other.skipped)
-        self.kinds.update(other.kinds)
-        self.notes.update(other.notes)
-        self.linears += [fqn for fqn in other.linears if fqn not in self.linears]
-        return self
-
     def skip(self, fqn: str, reason: str, kind: str, note: str = "") -> None:
         """Record `fqn` as left alone, with its reason, the kind it is grouped under, and a note."""
         self.skipped[fqn] = reason
@@ -147,13 +138,15 @@ def linear_alignment_problem(module: nn.Linear) -> Optional[str]:
     return None
 
 
-def check_convertible(model: nn.Module) -> None:
-    """Refuse a model whose conversion must have come first: compiled, DDP- or FSDP-wrapped."""
+def check_convertible(model: nn.Module, where: str = "cannot convert to FP8: ") -> None:
+    """Refuse a model whose conversion must have come first: compiled, DDP- or FSDP-wrapped (the
+    one place this rule is worded; `where` says who refuses)."""
     kind = wrapped_kind(model)
     if kind:
         raise ConversionError(
-            f"cannot convert a model that is already {kind}: convert to FP8 first, then wrap "
-            "(fp8plug.Accelerator.prepare does this in the right order), and compile last."
+            f"{where}{type(model).__name__} is already {kind}, but FP8 conversion must come first: pass "
+            "the plain model, convert it, then wrap it (DDP/FSDP2) and compile it last "
+            "(fp8plug.Accelerator.prepare does this in that order)."
         )
 
 
@@ -259,6 +252,22 @@ def _attention_modules(model: nn.Module) -> Dict[str, str]:
 
 def _base_name(module: nn.Module, eligible: Iterable[type]) -> str:
     return next(t.__name__ for t in eligible if isinstance(module, t))
+
+
+def plain_linear(like: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Linear:
+    """A plain nn.Linear holding `weight` and `bias` themselves (no copy, no fresh initialisation,
+    so optimizers and tied weights stay valid), with `like`'s shape and training flag: what every
+    engine's unconvert puts back for one of its Linears."""
+    plain = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(plain)
+    plain.in_features, plain.out_features = like.in_features, like.out_features
+    plain.weight = weight
+    if bias is None:
+        plain.register_parameter("bias", None)  # as nn.Linear(bias=False) has it
+    else:
+        plain.bias = bias
+    plain.train(like.training)
+    return plain
 
 
 def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> None:

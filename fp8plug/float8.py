@@ -125,7 +125,7 @@ class AOFloat8LinearConfig:
         """The torchao Float8LinearConfig these fields describe."""
         from torchao.float8 import Float8LinearConfig as AOConfig
 
-        from .backends.ao import needs_emulation
+        from .torchao_config import needs_emulation
 
         kwargs = {}
         for f in fields(self):
@@ -148,7 +148,7 @@ class AOFloat8LinearConfig:
 
 @dataclass
 class AOMXLinearConfig:
-    """OLMo-core's MX training config; served by torchao's MXFP8 training (fp8plug.backends.ao.
+    """OLMo-core's MX training config; served by torchao's MXFP8 training (fp8plug.torchao_config.
     mx_training_config says what torchao can and cannot train). None takes torchao's choice:
     blocks of 32, E4M3 elements, RCEIL scales, real kernels on a GPU and emulation without one."""
 
@@ -162,7 +162,7 @@ class AOMXLinearConfig:
 
     def to_ao_type(self):
         """torchao's MXFP8TrainingOpConfig for these fields; a clear error where it cannot run."""
-        from .backends.ao import mx_training_config
+        from .torchao_config import mx_training_config
 
         return mx_training_config(**{f.name: getattr(self, f.name) for f in fields(self)})
 
@@ -211,7 +211,7 @@ class Float8Config:
             return None
         from torchao.float8 import Float8LinearConfig as AOConfig
 
-        from .backends.ao import build_float8_config, needs_emulation
+        from .torchao_config import build_float8_config, needs_emulation
 
         if self.ao_recipe is not None:
             return build_float8_config(AOConfig.from_recipe_name(self.ao_recipe.value), emulate=needs_emulation())
@@ -242,12 +242,8 @@ class Float8Config:
         engine = get_backend("ao")
         engine.require()
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-        if self.ao_mx is not None:
-            from .backends.ao import convert_mx
-
-            report = convert_mx(model, self.ao_mx.to_ao_type(), ignore)
-        else:
-            report = engine.convert_with_config(model, self.float8_linear_config(), ignore)
+        config = self.ao_mx.to_ao_type() if self.ao_mx is not None else self.float8_linear_config()
+        report = engine.convert_with_config(model, config, ignore)
         for name in frozen:
             model.get_parameter(name).requires_grad_(False)
         log_conversion(report, describe_engine(engine), type(model).__name__)
@@ -393,7 +389,7 @@ class Float8LinearConfig:
         if self.delayed:
             raise ValueError("Float8LinearConfig: torchao has no delayed scaling (removed in 0.10); the native engine serves it.")
         if self.recipe_name is not None:
-            from .backends.ao import build_float8_config, needs_emulation
+            from .torchao_config import build_float8_config, needs_emulation
 
             return build_float8_config(
                 AOConfig.from_recipe_name(self.recipe_name), pad_inner_dim=self.pad_inner_dim,
@@ -474,13 +470,14 @@ def _convert_delayed(module, config: Float8LinearConfig, module_filter_fn) -> Co
 
 
 def _convert_native(module, config: Float8LinearConfig, module_filter_fn, modes) -> ConversionReport:
+    """The native engine with a scaling mode per tensor and the config's delayed-scaling settings
+    (everything else at FP8RecipeKwargs' defaults)."""
     options = dict(
-        scaling=modes[0] if len(set(modes)) == 1 else modes, fp8_format="HYBRID", margin=0, interval=1,
+        scaling=modes[0] if len(set(modes)) == 1 else modes,
         amax_history_len=config.delayed_scaling_config.history_len,
         amax_compute_algo=config.delayed_scaling_config.scale_fn_name,
-        override_linear_precision=(False, False, False),
     )
-    return get_backend("native").convert_with_options(module, options, None, module_filter_fn)
+    return get_backend("native").convert_with_config(module, options, None, module_filter_fn)
 
 
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:

@@ -58,11 +58,6 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, recipe) -> torch.optim.O
         raise ValueError(
             f"FP8RecipeKwargs.optimizer_states: {kind!r} is not allowed; use one of {', '.join(OPTIMIZER_STATES)}."
         )
-    if getattr(recipe, "backend", None) == "msamp":
-        raise ValueError(
-            "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own optimizer states (opt_level='O2'); "
-            "leave optimizer_states None with backend='msamp'."
-        )
     if _already(optimizer, kind):
         return optimizer
     decoupled = _check_convertible(optimizer, kind)

@@ -14,7 +14,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
 
-from accelerate.utils import KwargsHandler
+try:  # the base class accelerate wants of a kwargs handler; the recipe itself needs nothing of it
+    from accelerate.utils import KwargsHandler
+except ImportError:  # pragma: no cover - accelerate not installed: the recipe still works alone
+
+    class KwargsHandler:  # type: ignore[no-redef]
+        """Stand-in for accelerate.utils.KwargsHandler where accelerate is not installed."""
 
 BACKEND_ALIASES = {
     "msamp": "msamp",
@@ -31,7 +36,7 @@ BACKEND_ALIASES = {
 BACKENDS = ("msamp", "te", "ao", "native")
 FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-OPT_LEVELS = ("O1", "O2")
+OPT_LEVELS = ("O1", "O2", "O3")  # MS-AMP's levels; which of them the msamp engine drives is its own rule
 OPTIMIZER_STATES = ("fp8", "8bit", "4bit")  # fp8plug.optim: torchao low-bit Adam/AdamW states
 
 DEFAULTS = {
@@ -123,11 +128,7 @@ def _env_value(name: str, environ) -> Optional[str]:
 
 def _same(text: str, default) -> bool:
     """Whether an environment string spells the launch default (so may not be the user's choice)."""
-    if default is None:
-        return False
-    if isinstance(default, bool):
-        return text.strip().lower() == str(default).lower()
-    return text.strip().lower() == str(default).lower()
+    return default is not None and text.strip().lower() == str(default).lower()
 
 
 def _env_override(environ) -> Optional[Tuple[bool, bool, bool]]:
@@ -163,7 +164,8 @@ class FP8RecipeKwargs(KwargsHandler):
         backend: "msamp", "te", "ao" or "native" (any case); None picks by availability and
             hardware, in that order.
         use_autocast_during_eval: run FP8 in eval mode too (default False: eval in high precision).
-        opt_level: MS-AMP optimisation level, "O1" or "O2".
+        opt_level: MS-AMP optimisation level, "O1" or "O2" ("O3" is MS-AMP's DeepSpeed-only level,
+            which the msamp engine refuses).
         margin: delayed scaling: scale = fp8_max / amax / 2**margin.
         interval: delayed scaling: recompute the scale every `interval` steps.
         fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" throughout.
@@ -183,7 +185,7 @@ class FP8RecipeKwargs(KwargsHandler):
             still apply on top. Implies backend="ao".
         optimizer_states: low-precision Adam/AdamW states through torchao (fp8plug.optim):
             "fp8", "8bit" or "4bit"; None (default) leaves the optimizer as given. Environment:
-            FP8PLUG_OPTIMIZER_STATES. Not with backend="msamp" (its opt_level O2 does this).
+            FP8PLUG_OPTIMIZER_STATES. The msamp engine refuses it (its opt_level O2 does this).
         auto_filter: leave in bf16 the Linears where FP8 is predicted at least 15% slower than
             bf16 (fp8plug.roofline, calibrated on an H200). None (default): on for native, ao and te at
             their default scalings on a compute capability 9.0 GPU, off elsewhere; True: on (an
@@ -266,11 +268,6 @@ class FP8RecipeKwargs(KwargsHandler):
         )
         self.fp8_format = _choice("fp8_format", self.fp8_format, FP8_FORMATS, str.upper)
         self.amax_compute_algo = _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS, str.lower)
-        if str(self.opt_level).strip().upper() == "O3":
-            raise ValueError(
-                "FP8RecipeKwargs.opt_level: 'O3' exists only through MS-AMP's DeepSpeed integration, "
-                f"which fp8plug does not drive; use one of {', '.join(OPT_LEVELS)}."
-            )
         self.opt_level = _choice("opt_level", self.opt_level, OPT_LEVELS, str.upper)
         for name in ("margin", "interval", "amax_history_len"):
             setattr(self, name, self._bounded(name))
@@ -304,12 +301,6 @@ class FP8RecipeKwargs(KwargsHandler):
         if self.auto_filter_tokens is not None:
             self.auto_filter_tokens = self._bounded("auto_filter_tokens")
         self.optimizer_states = _optimizer_states(self.optimizer_states)
-        if self.optimizer_states is not None and self.backend == "msamp":
-            raise ValueError(
-                "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own low-precision optimizer states "
-                "(opt_level='O2': FP8 first moment, FP16 second); leave optimizer_states None with "
-                "backend='msamp'."
-            )
 
     def _label(self, name: str) -> str:
         """The field's name for an error, with the environment variable it came from, if any."""

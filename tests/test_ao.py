@@ -18,7 +18,7 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa:
 
 import fp8plug  # noqa: E402
 from fp8plug import ConversionError, FP8RecipeKwargs  # noqa: E402
-from fp8plug.backends import ao as ao_module  # noqa: E402
+from fp8plug import torchao_config  # noqa: E402
 from fp8plug.backends import get_backend, select_backend  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 
@@ -169,7 +169,7 @@ def test_recipes_and_formats_reach_torchao_config():
 @pytest.mark.parametrize("override,gemm", [((True, False, False), 0), ((False, True, False), 1), ((False, False, True), 2)])
 def test_override_linear_precision_runs_that_gemm_unscaled(override, gemm):
     layer = single(override_linear_precision=override)
-    names = ao_module._gemm_operands()[("fprop", "dgrad", "wgrad")[gemm]]
+    names = torchao_config._gemm_operands()[("fprop", "dgrad", "wgrad")[gemm]]
     assert all(getattr(layer.config, n).scaling_type is ScalingType.DISABLED for n in names)
     x, grad = data()
     results = run(layer, x, grad)[:3]  # out, dx, dw: the products of fprop, dgrad, wgrad
@@ -252,8 +252,8 @@ def test_float8_all_gather_weight_trains_without_fsdp_and_keeps_frozen(engine):
 
 
 def test_emulation_where_the_cpu_has_no_scaled_mm(monkeypatch):
-    assert ao_module.needs_emulation() is (not torch.cuda.is_available() and not ao_module.cpu_scaled_mm_works())
-    monkeypatch.setattr(ao_module, "cpu_scaled_mm_works", lambda: False)
+    assert torchao_config.needs_emulation() is (not torch.cuda.is_available() and not torchao_config.cpu_scaled_mm_works())
+    monkeypatch.setattr(torchao_config, "cpu_scaled_mm_works", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     layer = single()
     assert layer.config.emulate is True

@@ -154,3 +154,24 @@ def test_autowrapped_model_compiles_fullgraph():
     assert (model.layers[0].q.fp8_amax_recorded > 0).all()  # forward and backward recorded
     fp8plug.sync_fp8_scaling(model)
     assert model.layers[0].q.fp8_step.tolist() == [1, 1, 1]
+
+
+def test_convert_model_passes_the_linear_and_norm_choice_to_the_engine(monkeypatch):
+    """convert_model(_convert_linear, _convert_ln) reaches every engine through convert_layers: an
+    engine of Linears only converts nothing without _convert_linear; TransformerEngine, which
+    converts norms too, is told both choices."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32))
+    report = fp8plug.convert_model(model, _convert_linear=False, backend="native")
+    assert report.backend == "native" and report.converted == []
+    assert type(model[0]) is nn.Linear
+    report = fp8plug.convert_model(model, _convert_ln=False, backend="native")
+    assert report.converted == ["0"] and isinstance(model[0], NativeFP8Linear)
+
+    from fp8plug.backends.te import TEBackend
+
+    calls = []
+    monkeypatch.setattr(TEBackend, "convert", lambda self, model, recipe, convert_linear=True, convert_norm=True:
+                        calls.append((convert_linear, convert_norm)))
+    TEBackend().convert_layers(model, native(), linear=True, norm=False)
+    TEBackend().convert_layers(model, native(), linear=False, norm=True)
+    assert calls == [(True, False), (False, True)]

@@ -149,7 +149,7 @@ def test_mx_refuses_what_torchao_cannot_train():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated default applies where no GPU is visible")
 def test_mx_emulated_on_cpu_numerics_eval_and_unconvert():
-    from fp8plug.backends.ao import mx_support_problem
+    from fp8plug.torchao_config import mx_support_problem
 
     if mx_support_problem(emulated=True):
         pytest.skip(mx_support_problem(emulated=True))

@@ -187,8 +187,9 @@ def test_prepare_needs_the_optimizer(msamp, engine):
 
 
 def test_o3_is_deepspeed_only(msamp, engine):
-    with pytest.raises(ValueError, match=r"opt_level.*O3.*DeepSpeed"):
-        FP8RecipeKwargs(opt_level="O3")
+    assert FP8RecipeKwargs(opt_level="o3").opt_level == "O3"  # an MS-AMP level; the engine decides
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.opt_level: 'O3'.*DeepSpeed"):
+        engine.check_recipe(FP8RecipeKwargs(backend="msamp", opt_level="O3"))
     recipe = _recipe()
     recipe.opt_level = "O3"
     model, optimizer = _pair()
@@ -205,7 +206,7 @@ def test_prepare_refuses_what_msamp_cannot_take(msamp, engine):
         engine.prepare(model, torch.optim.AdamW([*model.parameters(), extra]), _recipe())
     with pytest.raises(ValueError, match="bare optimizer"):
         engine.prepare(model, SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters())), _recipe())
-    with pytest.raises(ValueError, match=r"before it is compiled"):
+    with pytest.raises(ValueError, match=r"msamp engine must initialize the model before wrapping.*already compiled"):
         engine.prepare(torch.compile(model), torch.optim.AdamW(model.parameters()), _recipe())
     recipe = _recipe(optimizer_states="fp8")  # backend chosen automatically: prepare must refuse
     with pytest.raises(ValueError, match=r"optimizer_states.*msamp"):
@@ -349,6 +350,32 @@ def test_accelerator_prepare_drives_msamp(msamp, monkeypatch):
         state = accelerator.get_state_dict(model)
         assert all(isinstance(v, torch.Tensor) for v in state.values())
         assert list(state) == list(Net().state_dict())
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"optimizer_states": "fp8"}, r"FP8RecipeKwargs\.optimizer_states.*msamp"),
+    ({"opt_level": "O3"}, r"FP8RecipeKwargs\.opt_level: 'O3'.*DeepSpeed"),
+])
+def test_accelerator_refuses_what_msamp_cannot_do_before_prepare(msamp, monkeypatch, fields, match):
+    """MS-AMP's refusals live in the engine (check_recipe); fp8plug.Accelerator asks at construction,
+    before any model or optimizer is touched."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    import fp8plug
+
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(MSAMPBackend, "supports", lambda self, device: (True, ""))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        with pytest.raises(ValueError, match=match):
+            fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp", **fields)])
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

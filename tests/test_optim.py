@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fp8plug.backends import get_backend
 from fp8plug.optim import convert_optimizer, optimizer_states_of, state_bytes
 from fp8plug.recipe import FP8RecipeKwargs
 from tests._models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
@@ -53,7 +54,7 @@ def test_field_rejects_bad_values():
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.optimizer_states: '2bit'.*fp8, 8bit, 4bit"):
         recipe("2bit")
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.optimizer_states.*msamp"):
-        FP8RecipeKwargs(backend="msamp", optimizer_states="fp8")
+        get_backend("msamp").check_recipe(FP8RecipeKwargs(backend="msamp", optimizer_states="fp8"))
 
 
 # --- what is replaced, and what is not ------------------------------------------------------------------

@@ -96,7 +96,6 @@ def test_explicit_arguments_beat_environment(monkeypatch):
     ({"amax_compute_algo": "mean"}, "amax_compute_algo"),
     ({"backend": "cuda"}, "backend"),
     ({"opt_level": "O4"}, "opt_level"),
-    ({"opt_level": "O3"}, "opt_level"),
     ({"margin": -1}, "margin"),
     ({"interval": 0}, "interval"),
     ({"amax_history_len": 0}, "amax_history_len"),

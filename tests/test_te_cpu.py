@@ -15,6 +15,9 @@ from torch import nn
 
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
+from fp8plug.backends import _te_import as te_import
+from fp8plug.backends import _te_layers as te_layers
+from fp8plug.backends import _te_recipes as te_recipes
 from fp8plug.backends import te as te_engine
 from fp8plug.backends.base import Backend
 from fp8plug.hardware import DeviceInfo
@@ -146,7 +149,7 @@ def test_import_fp8plug_never_imports_te():
 
 
 def plan(scaling="delayed", fields=TE2_FIELDS, **kwargs):
-    return te_engine.plan_te_recipe(FP8RecipeKwargs(backend="te", **kwargs), scaling, fields, "2.20.2")
+    return te_recipes.plan_te_recipe(FP8RecipeKwargs(backend="te", **kwargs), scaling, fields, "2.20.2")
 
 
 def test_delayed_recipe_carries_every_field_and_most_recent_by_default():
@@ -225,7 +228,7 @@ def test_unknown_scaling_names_the_te_choices():
     ("delayed", (8, 0), "12.4", "8.9"),
 ])
 def test_hardware_refusals_say_what_is_needed(scaling, capability, cuda, needle):
-    problem = te_engine.scaling_hardware_problem(scaling, capability, cuda, "NVIDIA H100")
+    problem = te_recipes.scaling_hardware_problem(scaling, capability, cuda, "NVIDIA H100")
     assert problem and needle in problem and f"scaling={scaling!r}" in problem
 
 
@@ -234,11 +237,11 @@ def test_hardware_refusals_say_what_is_needed(scaling, capability, cuda, needle)
     ("block", (9, 0), "13.0"), ("mxfp8", (10, 0), "12.9"), ("nvfp4", (10, 0), "12.9"),
 ])
 def test_hardware_accepts(scaling, capability, cuda):
-    assert te_engine.scaling_hardware_problem(scaling, capability, cuda) is None
+    assert te_recipes.scaling_hardware_problem(scaling, capability, cuda) is None
 
 
 def test_interval_scaling_recomputes_every_interval_updates_with_te_formula():
-    algo = te_engine.IntervalScaling(3)
+    algo = te_recipes.IntervalScaling(3)
     recipe = SimpleNamespace(margin=1)
     scale = torch.ones(3)
     amaxes = [torch.tensor([2.0, 0.0, float("inf")]), torch.tensor([4.0, 1.0, 1.0]),
@@ -256,16 +259,19 @@ def test_interval_scaling_recomputes_every_interval_updates_with_te_formula():
 
 
 def test_gemm_alignment_follows_te_rules():
-    assert not te_engine.fp8_input_fits((1, 7, 256)) and not te_engine.fp8_input_fits((1, 8, 256))
-    assert te_engine.fp8_input_fits((1, 16, 256)) and te_engine.fp8_input_fits((2, 8, 256))
-    assert not te_engine.fp8_input_fits((8, 24))
-    assert not te_engine.fp8_input_fits((16, 256), "mxfp8") and te_engine.fp8_input_fits((32, 256), "mxfp8")
-    assert not te_engine.fp8_input_fits((256,))
+    def fits(shape, kind="fp8"):  # goes through TE's FP8 GEMM as it is, unpadded
+        return te_layers.fp8_token_multiple(torch.zeros(shape), kind) == 1
+
+    assert not fits((1, 7, 256)) and not fits((1, 8, 256))
+    assert fits((1, 16, 256)) and fits((2, 8, 256))
+    assert not fits((8, 24))
+    assert not fits((16, 256), "mxfp8") and fits((32, 256), "mxfp8")
+    assert not fits((256,))
 
 
 def test_odd_token_counts_are_padded_to_te_multiple_features_never():
     def plan(shape, kind="fp8"):
-        return te_engine.fp8_token_multiple(torch.zeros(shape), kind)
+        return te_layers.fp8_token_multiple(torch.zeros(shape), kind)
 
     assert plan((1, 16, 256)) == 1 and plan((2, 8, 256)) == 1  # fits as it is
     assert plan((1, 7, 256)) == 16 and plan((8, 31, 256)) == 16 and plan((2047, 256)) == 16
@@ -275,16 +281,16 @@ def test_odd_token_counts_are_padded_to_te_multiple_features_never():
     class Quantized(torch.Tensor):  # stands for TE's own quantized tensors: never padded
         pass
 
-    assert te_engine.fp8_token_multiple(torch.zeros(7, 256).as_subclass(Quantized)) is None
-    assert te_engine.fp8_token_multiple(torch.zeros(16, 256).as_subclass(Quantized)) == 1
+    assert te_layers.fp8_token_multiple(torch.zeros(7, 256).as_subclass(Quantized)) is None
+    assert te_layers.fp8_token_multiple(torch.zeros(16, 256).as_subclass(Quantized)) == 1
 
 
 def test_warn_once_per_process():
     message = "fp8plug test: this warning appears once"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        te_engine.warn_once(message)
-        te_engine.warn_once(message)
+        te_recipes.warn_once(message)
+        te_recipes.warn_once(message)
     assert [str(w.message) for w in caught] == [message]
 
 
@@ -299,21 +305,17 @@ def test_new_te_names_are_used_when_present():
     calls = []
     module = SimpleNamespace(autocast=_recorder(calls, "autocast"), quantized_model_init=_recorder(calls, "qmi"),
                              fp8_autocast=_recorder(calls, "fp8_autocast"), fp8_model_init=_recorder(calls, "fmi"))
-    api = te_engine.TEApi(module)
+    api = te_import.TEApi(module)
     api.autocast(enabled=True, recipe="R")
-    api.model_init(enabled=True, recipe="R")
-    assert calls == [("autocast", {"enabled": True, "recipe": "R", "amax_reduction_group": None}),
-                     ("qmi", {"enabled": True, "recipe": "R"})]
+    assert calls == [("autocast", {"enabled": True, "recipe": "R", "amax_reduction_group": None})]
 
 
 def test_old_te_names_are_used_otherwise():
     calls = []
     module = SimpleNamespace(fp8_autocast=_recorder(calls, "fp8_autocast"), fp8_model_init=_recorder(calls, "fmi"))
-    api = te_engine.TEApi(module)
+    api = te_import.TEApi(module)
     api.autocast(enabled=False, recipe="R", group="G")
-    api.model_init(recipe="R")
-    assert calls == [("fp8_autocast", {"enabled": False, "fp8_recipe": "R", "fp8_group": "G"}),
-                     ("fmi", {"enabled": True, "recipe": "R"})]
+    assert calls == [("fp8_autocast", {"enabled": False, "fp8_recipe": "R", "fp8_group": "G"})]
 
 
 # --- checkpoints --------------------------------------------------------------------------------------
@@ -355,12 +357,12 @@ def test_plain_checkpoint_loads_strictly_once_extra_state_is_supplied():
     plain = {"0.weight": torch.full((4, 4), 3.0)}
     with pytest.raises(RuntimeError, match="_extra_state"):
         model.load_state_dict(plain, strict=True)
-    te_engine.accept_plain_state_dict(model[0])
-    te_engine.accept_plain_state_dict(model[0])  # idempotent: one hook
+    te_layers.accept_plain_state_dict(model[0])
+    te_layers.accept_plain_state_dict(model[0])  # idempotent: one hook
     model.load_state_dict(plain, strict=True)
     assert torch.equal(model[0].weight, plain["0.weight"]) and model[0].loaded.numel() == 0
     assert list(plain) == ["0.weight"]  # the caller's dict is not modified
-    assert list(te_engine.plain_state_dict(model.state_dict())) == ["0.weight"]
+    assert list(te_layers.plain_state_dict(model.state_dict())) == ["0.weight"]
 
 
 def test_base_engine_has_no_fp8_state_by_default():
@@ -373,13 +375,13 @@ def test_base_engine_has_no_fp8_state_by_default():
 
 def test_microbatch_flag_is_scoped():
     engine = te_engine.TEBackend()
-    assert te_engine._Microbatch.is_first is None
+    assert te_layers._Microbatch.is_first is None
     with engine.microbatch(True):
-        assert te_engine._Microbatch.is_first is True
+        assert te_layers._Microbatch.is_first is True
         with engine.microbatch(False):
-            assert te_engine._Microbatch.is_first is False
-        assert te_engine._Microbatch.is_first is True
-    assert te_engine._Microbatch.is_first is None
+            assert te_layers._Microbatch.is_first is False
+        assert te_layers._Microbatch.is_first is True
+    assert te_layers._Microbatch.is_first is None
 
 
 def test_native_fp8_state_round_trip_resumes_exactly():

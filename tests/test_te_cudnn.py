@@ -1,4 +1,4 @@
-"""te.share_torch_cudnn: TransformerEngine is pointed at torch's cuDNN, never over the user's choice.
+"""_te_import.share_torch_cudnn (the te engine's import helper): TransformerEngine is pointed at torch's cuDNN, never over the user's choice.
 
 The effect itself (one cuDNN in the process, cuDNN attention kept) needs a GPU and TE; it is
 checked in tests/gpu/test_te.py. Here: when the variable is set, and when it is left alone."""
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fp8plug.backends import te as te_backend
+from fp8plug.backends import _te_import as te_backend
 
 
 @pytest.fixture

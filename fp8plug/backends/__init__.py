@@ -1,7 +1,8 @@
 """The engine registry and the automatic choice between engines, with a reason for each.
 
 Engines are imported only when asked for, so `import fp8plug` never imports TransformerEngine,
-MS-AMP or torchao, and a broken install of one is reported rather than raised.
+MS-AMP or torchao, and a broken install of one is reported rather than raised. Engines never
+import this module (the protocol and its errors live in backends/base.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Dict, Optional
 
 from ..hardware import DeviceInfo, device_info
 from ..recipe import BACKENDS, normalize_backend
-from .base import Backend, Probe
+from .base import Backend, BackendUnavailableError, Probe
 
 # The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
 _MODULES = {
@@ -29,15 +30,15 @@ def get_backend(name: str) -> Backend:
     canonical = normalize_backend(name)
     if canonical is None:
         raise ValueError(f"get_backend: name a backend, one of {', '.join(BACKENDS)}.")
+    return _engine(canonical)
+
+
+def _engine(canonical: str) -> Backend:
+    """The engine object for a canonical name (one of BACKENDS), imported on first use."""
     if canonical not in _INSTANCES:
         module_name, class_name = _MODULES[canonical].split(":")
         _INSTANCES[canonical] = getattr(importlib.import_module(module_name), class_name)()
     return _INSTANCES[canonical]
-
-
-class BackendUnavailableError(RuntimeError):
-    """FP8 was asked for where no engine (or not the requested one) can run; the message says why
-    and what to install."""
 
 
 @dataclass
@@ -79,8 +80,8 @@ class Selection:
 
 
 def judge(name: str, device: DeviceInfo) -> Verdict:
-    """Probe one engine and check it against the device."""
-    backend = get_backend(name)
+    """Probe one engine (by canonical name) and check it against the device."""
+    backend = _engine(name)
     probe = backend.probe()
     if not probe.available:
         return Verdict(name, backend.title, probe, False, f"{probe.reason} (install: {backend.install_hint})")
@@ -93,7 +94,7 @@ def judge(name: str, device: DeviceInfo) -> Verdict:
 
 def not_checked(name: str, requested: str) -> Verdict:
     """The verdict for an engine left unprobed because another one was requested."""
-    backend = get_backend(name)
+    backend = _engine(name)
     return Verdict(name, backend.title, Probe(False, reason="not checked"), False,
                    f"not checked: backend {requested!r} was requested", checked=False)
 
@@ -105,11 +106,11 @@ def select_backend(requested: Optional[str] = None, device=None) -> Selection:
     In the automatic choice every engine is judged, not only the winner, so the choice can be
     explained. A requested engine is the only one probed: probing imports an engine, and an
     import can change the whole process (TransformerEngine loads its own cuDNN, which once cost
-    a native-engine run 3.7% of its speed; see te.share_torch_cudnn), so engines nobody asked for
+    a native-engine run 3.7% of its speed; see _te_import.share_torch_cudnn), so engines nobody asked for
     are not imported.
     """
     info = device if isinstance(device, DeviceInfo) else device_info(device)
-    requested = normalize_backend(requested)
+    requested = normalize_backend(requested)  # the one place a requested name is normalised
     selection = Selection(None, info, requested)
     for name in BACKENDS:
         checked = requested is None or name == requested
@@ -119,14 +120,14 @@ def select_backend(requested: Optional[str] = None, device=None) -> Selection:
         if not verdict.usable:
             raise BackendUnavailableError(
                 f"FP8 backend {requested!r} ({verdict.title}) cannot run here: {verdict.reason}. "
-                f"Install it with `{get_backend(requested).install_hint}`, or leave backend=None to "
+                f"Install it with `{_engine(requested).install_hint}`, or leave backend=None to "
                 "choose automatically.\n" + selection.explain()
             )
-        selection.backend = get_backend(requested)
+        selection.backend = _engine(requested)
         return selection
     for name in BACKENDS:
         if selection.verdicts[name].usable:
-            selection.backend = get_backend(name)
+            selection.backend = _engine(name)
             return selection
     raise BackendUnavailableError(
         "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain()

@@ -18,8 +18,9 @@ the token dimension is zero-padded on the way in and sliced on the way out (back
 except where torchao needs no alignment (emulate) or pads itself (pad_inner_dim).
 
 MXFP8 training (torchao's prototype MXFP8TrainingOpConfig, sm_100 or emulated) is offered through
-`convert_mx` for fp8plug.float8.Float8Config(ao_mx=...). torchao is imported only when used, so
-this module imports (and probes) where torchao is absent.
+`convert_with_config` with such a config, for fp8plug.float8.Float8Config(ao_mx=...). The configs
+themselves are built in fp8plug.torchao_config. torchao is imported only when used, so this
+module imports (and probes) where torchao is absent.
 """
 
 from __future__ import annotations
@@ -28,22 +29,22 @@ import dataclasses
 import functools
 import sys
 import warnings
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..convert import (
-    ConversionError, ConversionReport, linear_alignment_problem, plan_conversion, record_converted, replace_module,
+    ALIGNMENT, ConversionError, ConversionReport, linear_alignment_problem, plain_linear, plan_conversion,
+    record_converted, replace_module,
 )
 from ..recipe import DEFAULTS
+from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
 from .base import Backend, Probe, probe_import
-from .native import fp8_region_enabled, native_fp8_autocast
 from .padding import pad_tokens, token_count
+from .region import fp8_now, fp8_region
 
-ALIGN = 16
-MX_BLOCK = 32
 # FP8RecipeKwargs fields that only delayed scaling reads.
 DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo")
 
@@ -54,10 +55,7 @@ DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo")
 def _fp8_now(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether `module` runs its FP8 path for input `x` (see the module doc): the FP8 region's
     choice, else the training flag; an empty input runs in high precision."""
-    region = fp8_region_enabled()
-    if not (module.training if region is None else region):
-        return False
-    return token_count(x) > 0
+    return fp8_now(module.training) and token_count(x) > 0
 
 
 def _high_precision_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -84,7 +82,7 @@ def _float8_linear_class():
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if _fp8_now(self, input):
-                align = 1 if self.config.pad_inner_dim or self.config.emulate else ALIGN
+                align = 1 if self.config.pad_inner_dim or self.config.emulate else ALIGNMENT
                 return pad_tokens(super().forward, _cpu_autocast_input(input), align)
             return F.linear(input, _high_precision_weight(self.weight), self.bias)
 
@@ -122,93 +120,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# --- when the hardware needs emulation -------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_scaled_mm_works() -> bool:
-    """Whether torch's CPU `_scaled_mm` takes the operand pairs float8 training uses."""
-    try:
-        one = torch.ones(())
-        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-        g = torch.zeros(16, 16, dtype=torch.float8_e5m2)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        torch._scaled_mm(g, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: emulate
-        return False
-
-
-def needs_emulation() -> bool:
-    """True on a machine with no CUDA GPU whose torch has no usable CPU `_scaled_mm`: there
-    torchao must emulate its FP8 GEMMs (dequantise, then a high-precision matmul)."""
-    return not torch.cuda.is_available() and not cpu_scaled_mm_works()
-
-
-# --- the recipe -> torchao config mapping ----------------------------------------------------------
-
-
-def _gemm_operands():
-    """For each GEMM, the two Float8LinearConfig cast-config fields feeding it (torchao's layout:
-    output = input @ weight.T, grad_input = grad_output @ weight, grad_weight = grad_output.T @ input)."""
-    return {
-        "fprop": ("cast_config_input", "cast_config_weight"),
-        "dgrad": ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
-        "wgrad": ("cast_config_grad_output_for_grad_weight", "cast_config_input_for_grad_weight"),
-    }
-
-
-def build_float8_config(
-    base,
-    *,
-    fp8_format: Optional[str] = None,
-    override_linear_precision: Tuple[bool, bool, bool] = (False, False, False),
-    enable_fsdp_float8_all_gather: Optional[bool] = None,
-    pad_inner_dim: Optional[bool] = None,
-    emulate: Optional[bool] = None,
-):
-    """A torchao Float8LinearConfig: `base` with the given changes (None keeps base's value).
-
-    fp8_format: "HYBRID" casts grad_output to E5M2 and input and weight to E4M3, "E4M3" casts all
-    three to E4M3. override_linear_precision (fprop, dgrad, wgrad): True runs that GEMM on its
-    unscaled high-precision operands (both its cast configs set to ScalingType.DISABLED).
-    """
-    from torchao.float8.config import CastConfig, ScalingType, e4m3_dtype, e5m2_dtype
-
-    casts = {name: getattr(base, name) for names in _gemm_operands().values() for name in names}
-    if fp8_format is not None:
-        grad_dtype = e5m2_dtype if fp8_format == "HYBRID" else e4m3_dtype
-        for name, cast in casts.items():
-            dtype = grad_dtype if "grad_output" in name else e4m3_dtype
-            casts[name] = dataclasses.replace(cast, target_dtype=dtype)
-    for flag, names in zip(override_linear_precision, _gemm_operands().values()):
-        if flag:
-            for name in names:
-                # DISABLED takes tensorwise granularity; the dtype must stay to match the other GEMM.
-                casts[name] = CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=casts[name].target_dtype)
-    changes = dict(casts)
-    for name, value in (("enable_fsdp_float8_all_gather", enable_fsdp_float8_all_gather),
-                        ("pad_inner_dim", pad_inner_dim), ("emulate", emulate)):
-        if value is not None:
-            changes[name] = value
-    try:
-        return dataclasses.replace(base, **changes)
-    except AssertionError as exc:  # torchao checks its configs with assert
-        raise ValueError(f"torchao rejected the float8 config: {exc}") from None
-
-
-def float8_all_gather_problem(config) -> Optional[str]:
-    """Why `config` cannot all-gather weights in float8 under FSDP2, or None."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-
-    weight = config.cast_config_weight
-    if weight.scaling_type is not ScalingType.DYNAMIC:
-        return "the forward GEMM's weight is not cast to float8 (override_linear_precision[0])"
-    if weight.scaling_granularity is not ScalingGranularity.TENSORWISE:
-        return "torchao all-gathers float8 weights with tensorwise scales only, not rowwise"
-    return None
-
-
 # --- the engine ------------------------------------------------------------------------------------
 
 
@@ -223,14 +134,6 @@ class AOBackend(Backend):
 
     def probe(self) -> Probe:
         return probe_import("torchao.float8", lambda m: __import__("torchao").__version__)
-
-    def require(self) -> None:
-        """Raise a clear error where torchao cannot be imported."""
-        probe = self.probe()
-        if not probe.available:
-            from . import BackendUnavailableError
-
-            raise BackendUnavailableError(f"torchao float8 is {probe.reason}; install it with `{self.install_hint}`.")
 
     def scaling_name(self, recipe) -> str:
         if recipe.scaling in ("delayed", "dynamic", "current"):
@@ -316,8 +219,11 @@ class AOBackend(Backend):
         modules_to_ignore: Optional[Sequence[str]] = None,
         module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
     ) -> ConversionReport:
-        """Convert `model` in place with a torchao Float8LinearConfig, under the shared rules."""
+        """Convert `model` in place with a torchao Float8LinearConfig (or an MXFP8 training config,
+        fp8plug.torchao_config.mx_training_config), under the shared rules."""
         self.require()
+        if type(config).__name__ == "MXFP8TrainingOpConfig":
+            return _convert_mx(self, model, config, modules_to_ignore, module_filter_fn)
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
@@ -343,7 +249,8 @@ class AOBackend(Backend):
         (torchao's float8 all-gather wrapper is unwrapped to the Parameter it wraps)."""
         for fqn, module in list(model.named_modules()):
             if _is_float8_linear(module):
-                replace_module(model, fqn, _plain_linear(module, fqn))
+                replace_module(model, fqn, plain_linear(module, _plain_parameter(module.weight, f"{fqn}.weight"),
+                                                        module.bias))
             elif _is_mx_linear(module):
                 for name, param in list(module.named_parameters(recurse=False)):
                     setattr(module, name, _plain_parameter(param, f"{fqn}.{name}"))
@@ -360,8 +267,8 @@ class AOBackend(Backend):
     # running ---------------------------------------------------------------------------------------
     def autocast(self, recipe, enabled: bool = True):
         """FP8 (enabled) or high precision (disabled) for every fp8plug torchao module inside the
-        block; the same region flag as the native engine, so it also governs native layers."""
-        return native_fp8_autocast(enabled)
+        block; the shared region flag (backends.region), so it also governs native layers."""
+        return fp8_region(enabled)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Under FSDP2 with float8 all-gather, compute every float8 weight's scale for the next
@@ -370,6 +277,11 @@ class AOBackend(Backend):
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def has_storageless_weights(self) -> bool:
+        """torchao's float8 all-gather weights (data_ptr() == 0) can exist only once its fsdp_utils
+        is imported."""
+        return "torchao.float8.fsdp_utils" in sys.modules
 
 
 def plan_fqns(model, backend, alignment_problem, modules_to_ignore, module_filter_fn):
@@ -429,16 +341,6 @@ def _plain_parameter(param: torch.Tensor, where: str) -> nn.Parameter:
     return nn.Parameter(inner, requires_grad=param.requires_grad)
 
 
-def _plain_linear(module: nn.Module, fqn: str) -> nn.Linear:
-    plain = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(plain)
-    plain.in_features, plain.out_features = module.in_features, module.out_features
-    plain.weight = _plain_parameter(module.weight, f"{fqn}.weight")
-    plain.bias = module.bias
-    plain.train(module.training)
-    return plain
-
-
 # --- MXFP8 ----------------------------------------------------------------------------------------
 
 
@@ -448,104 +350,11 @@ def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 
-def _dtype(value, field: str) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    name = str(getattr(value, "value", value)).replace("torch.", "")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"AOMXLinearConfig.{field}: {value!r} is not a torch dtype name such as 'float8_e4m3fn'.")
-    return dtype
-
-
-def _enum_value(value) -> Optional[str]:
-    return None if value is None else str(getattr(value, "value", value)).lower()
-
-
-def mx_support_problem(emulated: bool) -> Optional[str]:
-    """Why MXFP8 training cannot run here, or None."""
-    from torch.distributed.tensor import _dispatch, _ops
-
-    if not (hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")):
-        return f"torchao's MXFP8 training needs a newer torch (a nightly in torchao 0.18's time) than {torch.__version__}"
-    if emulated:
-        return None
-    if not torch.cuda.is_available():
-        return "MXFP8 GEMMs need a CUDA GPU with compute capability 10.0 (Blackwell); none is visible"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (10, 0):
-        return f"MXFP8 GEMMs need compute capability 10.0 (Blackwell), this GPU has {major}.{minor}"
-    return None
-
-
-def mx_training_config(
-    block_size=None,
-    elem_dtype=None,
-    elem_dtype_weight_override=None,
-    elem_dtype_grad_output_override=None,
-    kernel_preference=None,
-    mxfp8_cast_kernel_choice=None,
-    scale_calculation_mode=None,
-):
-    """torchao's MXFP8TrainingOpConfig for OLMo-core's MXLinearConfig fields, refusing what
-    torchao 0.18 cannot train: blocks other than 32, elements other than E4M3 (MXFP4 training is
-    not offered for linears), and hardware or torch versions that cannot run it.
-
-    kernel_preference None picks "auto" (real MXFP8 GEMMs) where a CUDA GPU is visible and
-    "emulated" (dequantise, then a high-precision matmul; slow, for development) where none is.
-    """
-    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    if block_size not in (None, MX_BLOCK):
-        raise ValueError(f"AOMXLinearConfig.block_size: torchao's MXFP8 training uses blocks of 32, not {block_size!r}.")
-    for field, value in (("elem_dtype", elem_dtype), ("elem_dtype_weight_override", elem_dtype_weight_override),
-                         ("elem_dtype_grad_output_override", elem_dtype_grad_output_override)):
-        dtype = _dtype(value, field)
-        if dtype not in (None, torch.float8_e4m3fn):
-            raise ValueError(
-                f"AOMXLinearConfig.{field}: torchao {__import__('torchao').__version__} trains linears in MXFP8 "
-                f"(float8_e4m3fn elements) only, not {dtype}; MXFP4 training is not offered. Use float8_e4m3fn or None."
-            )
-    kernel = _enum_value(kernel_preference)
-    if kernel is None:
-        kernel = "auto" if torch.cuda.is_available() else "emulated"
-    if kernel not in ("auto", "emulated"):
-        raise ValueError(f"AOMXLinearConfig.kernel_preference: use 'auto' or 'emulated' for MXFP8 training, not {kernel_preference!r}.")
-    choice = _enum_value(mxfp8_cast_kernel_choice)
-    if choice not in (None, "cuda"):
-        warnings.warn(
-            f"AOMXLinearConfig.mxfp8_cast_kernel_choice={choice!r} is ignored: torchao's MXFP8 training "
-            "chooses its cast kernels itself.", UserWarning, stacklevel=3,
-        )
-    mode = _enum_value(scale_calculation_mode) or "rceil"
-    try:
-        mode = ScaleCalculationMode(mode)
-    except ValueError:
-        allowed = ", ".join(m.value for m in ScaleCalculationMode)
-        raise ValueError(f"AOMXLinearConfig.scale_calculation_mode: {scale_calculation_mode!r}; use one of {allowed}.") from None
-    problem = mx_support_problem(emulated=kernel == "emulated")
-    if problem:
-        raise RuntimeError(
-            f"MXFP8 training cannot run here: {problem}. Use float8 (ao or ao_recipe) instead, or "
-            "kernel_preference='emulated' to develop on other hardware (slow)."
-        )
-    return MXFP8TrainingOpConfig(kernel_preference=KernelPreference(kernel), scale_calculation_mode=mode)
-
-
-def convert_mx(
-    model: nn.Module,
-    config,
-    modules_to_ignore: Optional[Sequence[str]] = None,
-    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-) -> ConversionReport:
+def _convert_mx(backend: AOBackend, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
     """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
     (in place), under the shared conversion rules with MXFP8's block alignment."""
     from torchao.quantization import quantize_
 
-    backend = AOBackend()
-    backend.require()
     planned, report = plan_fqns(model, backend, mx_alignment_problem, modules_to_ignore, module_filter_fn)
     if not planned:
         return report

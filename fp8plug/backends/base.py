@@ -1,9 +1,13 @@
-"""The protocol every FP8 engine implements, and the small records it returns.
+"""The protocol every FP8 engine implements, the small records it returns, and the errors it raises.
 
-An engine is one class in one file: it says whether it can run (and why not), converts a model's
-modules to its own and back, gives the autocast context its modules need, and may adapt the
-optimizer and the state dict. Which modules to convert, the eval policy, checkpoints and the
-Accelerate wiring are shared and live outside the engines.
+An engine is one class in one file (fp8plug/backends/<name>.py): it says whether it can run (and
+why not), checks a recipe against what it can do, converts a model's modules to its own and
+back, gives the autocast context its modules need, and may adapt the optimizer and the state
+dict. Everything outside fp8plug/backends/ talks to an engine only through the methods below;
+each has a default, so every engine answers every question. An engine file imports this module
+and shared helpers (fp8plug.convert, fp8plug.scaling, backends.padding, backends.region), never
+a sibling engine or the registry. Which modules to convert, the eval policy, checkpoints and the
+Accelerate wiring are shared and live outside the engines (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,6 +25,11 @@ from ..hardware import DeviceInfo
 if TYPE_CHECKING:
     from ..convert import ConversionReport
     from ..recipe import FP8RecipeKwargs
+
+
+class BackendUnavailableError(RuntimeError):
+    """FP8 was asked for where no engine (or not the requested one) can run; the message says why
+    and what to install."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class Backend:
     title: ClassVar[str]
     install_hint: ClassVar[str]
     runs_on_cpu: ClassVar[bool] = False
-    # name -> (human description); the engine's default comes first
+    # the scaling recipes FP8RecipeKwargs.scaling may name for this engine; the default comes first
     scalings: ClassVar[Tuple[str, ...]] = ()
 
     # availability -----------------------------------------------------------------------------
@@ -77,6 +86,31 @@ class Backend:
             return True, ""
         return False, f"needs a CUDA GPU with compute capability 8.9 or newer, not {device.describe()}"
 
+    def require(self) -> Any:
+        """Make sure the engine's package imports, or raise BackendUnavailableError saying why and
+        how to install it. Engines return their imported package where they have one."""
+        probe = self.probe()
+        if not probe.available:
+            raise BackendUnavailableError(
+                f"FP8 backend {self.name!r} ({self.title}) cannot run here: {probe.reason}. "
+                f"Install it with `{self.install_hint}`."
+            )
+        return None
+
+    def check_recipe(self, recipe: "FP8RecipeKwargs") -> None:
+        """Refuse, with a ValueError naming the field, a recipe this engine cannot honour; called
+        once the engine is chosen, before anything is converted. Default: the scaling must be one
+        of the engine's (scaling_name)."""
+        self.scaling_name(recipe)
+
+    def native_recipe(self, recipe_object: Any) -> Any:
+        """Accept the engine's own recipe object (e.g. a TransformerEngine DelayedScaling) where an
+        FP8RecipeKwargs is expected, returning what `autocast` takes. Default: refused."""
+        raise TypeError(
+            f"fp8_recipe: give an fp8plug.FP8RecipeKwargs; the {self.title} engine has no recipe objects "
+            f"of its own, so {type(recipe_object).__name__} cannot be used."
+        )
+
     def scaling_name(self, recipe: "FP8RecipeKwargs") -> str:
         """The scaling recipe this engine will use: the recipe's choice, checked, or the default."""
         if recipe.scaling is None:
@@ -92,6 +126,27 @@ class Backend:
     def convert(self, model: nn.Module, recipe: "FP8RecipeKwargs") -> "ConversionReport":
         """Swap the eligible modules of `model` (in place) for this engine's FP8 modules."""
         raise NotImplementedError
+
+    def convert_layers(self, model: nn.Module, recipe: "FP8RecipeKwargs", linear: bool = True,
+                       norm: bool = True) -> "ConversionReport":
+        """`convert`, limited to Linear layers (`linear`) and norms (`norm`), as Accelerate's
+        convert_model(_convert_linear, _convert_ln) asks. Default, for engines that convert only
+        Linears: `convert` when `linear`, else an empty report."""
+        if linear:
+            return self.convert(model, recipe)
+        from ..convert import ConversionReport
+
+        return ConversionReport(self.name)
+
+    def convert_with_config(self, model: nn.Module, config: Any, modules_to_ignore=None,
+                            module_filter_fn=None) -> "ConversionReport":
+        """Convert with the engine's own configuration object instead of an FP8RecipeKwargs (a
+        torchao Float8LinearConfig or MXFP8 config for ao, NativeFP8Linear options for native),
+        under the same shared rules; fp8plug.float8's torchao-shaped entry points use it.
+        Default: refused."""
+        raise TypeError(
+            f"the {self.title} engine converts from an FP8RecipeKwargs only, not a {type(config).__name__}."
+        )
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap this engine's modules back for plain torch modules with the same weights."""
@@ -119,6 +174,18 @@ class Backend:
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Work due once the optimizer has stepped (e.g. precomputing FSDP float8 scales)."""
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
+        """Clip gradients where torch's clip_grad_norm_ cannot read this engine's gradients (MS-AMP's
+        ScalingTensor). fp8plug.Accelerator calls it only when an engine overrides it; the default
+        is torch's."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def has_storageless_weights(self) -> bool:
+        """Whether this engine may have given models weights that are tensor subclasses without
+        storage of their own (data_ptr() == 0; torchao's float8 all-gather weights), which
+        accelerate's FSDP2 preparation must look through. Default: False."""
+        return False
 
     def sync_scaling(self, models, group=None) -> None:
         """End a step of delayed scaling for `models` (every model this engine converted when

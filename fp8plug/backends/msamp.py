@@ -40,8 +40,9 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from ..convert import ConversionReport, linear_alignment_problem, plan_conversion, wrapped_kind
+from ..convert import ConversionReport, check_convertible, linear_alignment_problem, plan_conversion, replace_module
 from ..hardware import DeviceInfo
+from ..recipe import OPT_LEVELS
 from .base import Backend, Probe, probe_import
 
 CANNOT_INSTALL = (
@@ -50,7 +51,6 @@ CANNOT_INSTALL = (
     "deprecated by Accelerate; use backend 'te', 'ao' or 'native' (with "
     "FP8RecipeKwargs.optimizer_states for low-precision optimizer states)"
 )
-OPT_LEVELS = ("O1", "O2")
 SKIP_MARK = "use_fp32_linear"  # MS-AMP's LinearReplacer leaves a Linear carrying this as True
 _OUR_MARK = "_fp8plug_msamp_skip"  # set beside SKIP_MARK where fp8plug (not the user) set it
 _PLANNED = "_fp8plug_msamp_planned"
@@ -97,6 +97,18 @@ class MSAMPBackend(Backend):
             return False, f"MS-AMP runs only on CUDA GPUs (compute capability 8.9+ for FP8 GEMMs), not {device.describe()}"
         return super().supports(device)
 
+    def check_recipe(self, recipe) -> None:
+        """MS-AMP's refusals: opt_level 'O3' (DeepSpeed only), and optimizer_states (MS-AMP keeps its
+        own low-precision optimizer states)."""
+        super().check_recipe(recipe)
+        _opt_level(recipe)
+        if getattr(recipe, "optimizer_states", None) is not None:
+            raise ValueError(
+                "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own low-precision optimizer states "
+                "(opt_level='O2': FP8 first moment, FP16 second); leave optimizer_states None with "
+                "backend='msamp'."
+            )
+
     # conversion ---------------------------------------------------------------------------------
     def convert(self, model: nn.Module, recipe) -> ConversionReport:
         """Plan MS-AMP's conversion without doing it: MS-AMP converts inside msamp.initialize, which
@@ -126,8 +138,6 @@ class MSAMPBackend(Backend):
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap MS-AMP's FP8Linears back for nn.Linears holding the dequantized fp32 weights (new
         Parameters: for eval or export, not to keep training with MS-AMP's optimizer)."""
-        from ..convert import replace_module
-
         for fqn, module in list(model.named_modules()):
             if self.is_converted(module):
                 weight = to_plain(module.weight)
@@ -160,18 +170,9 @@ class MSAMPBackend(Backend):
                 f"optimizer, opt_level)), but no optimizer steps {type(model).__name__}'s parameters; pass "
                 "the model and its torch.optim.Adam/AdamW to prepare() together."
             )
+        self.check_recipe(recipe)
         level = _opt_level(recipe)
-        if getattr(recipe, "optimizer_states", None) is not None:
-            raise ValueError(
-                "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own optimizer states (opt_level='O2': "
-                "FP8 first moment, FP16 second); leave optimizer_states None with the msamp engine."
-            )
-        kind = wrapped_kind(model)
-        if kind:
-            raise ValueError(
-                f"the msamp engine must initialize {type(model).__name__} before it is {kind}: pass the "
-                "plain model; wrap (DDP) and compile after prepare()."
-            )
+        check_convertible(model, "the msamp engine must initialize the model before wrapping: ")
         if getattr(model, _PREPARED, False):
             raise ValueError(
                 f"{type(model).__name__} went through msamp.initialize already; MS-AMP initializes a "
@@ -224,15 +225,18 @@ def _clear_our_marks(model: nn.Module) -> None:
 
 
 def _opt_level(recipe) -> str:
+    """The level msamp.initialize gets: the recipe's (FP8RecipeKwargs checked it is one of
+    MS-AMP's OPT_LEVELS), refusing 'O3', which msamp.initialize does not take."""
     level = str(getattr(recipe, "opt_level", "O2") or "O2").strip().upper()
+    driven = ", ".join(name for name in OPT_LEVELS if name != "O3")
     if level == "O3":
         raise ValueError(
             "FP8RecipeKwargs.opt_level: 'O3' (FP8 weights with FP16 master weights) exists only inside "
             "MS-AMP's DeepSpeed integration (a 'msamp' section in the DeepSpeed config), which fp8plug does "
-            f"not drive; use one of {', '.join(OPT_LEVELS)}."
+            f"not drive; use one of {driven}."
         )
     if level not in OPT_LEVELS:
-        raise ValueError(f"FP8RecipeKwargs.opt_level: {level!r} is not an MS-AMP level; use one of {', '.join(OPT_LEVELS)}.")
+        raise ValueError(f"FP8RecipeKwargs.opt_level: {level!r} is not an MS-AMP level; use one of {driven}.")
     return level
 
 

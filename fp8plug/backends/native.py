@@ -14,13 +14,17 @@ compiles with fullgraph=True.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..convert import ConversionReport, ignore_in_ddp, linear_alignment_problem, plan_conversion, swap_modules
+from ..convert import (
+    ALIGNMENT, ConversionReport, ignore_in_ddp, linear_alignment_problem, plain_linear, plan_conversion, replace_module,
+    swap_modules,
+)
+from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
     E5M2,
@@ -38,42 +42,14 @@ from ..scaling import (
 )
 from .base import Backend, Probe
 from .padding import pad_tokens, token_count
+from .region import fp8_now, fp8_region
+
+native_fp8_autocast = fp8_region  # the native engine's autocast: the shared FP8 region
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
-ALIGN = 16
 # The scaling state of a NativeFP8Linear, all non-persistent buffers (the state dict stays the
 # plain Linear's); fp8plug's checkpoint helpers carry them beside the weights.
 STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded")
-
-
-class _Region:
-    """Whether an FP8 autocast region is open: None outside any region (modules then follow
-    their own training flag), True or False inside one."""
-
-    enabled: Optional[bool] = None
-
-
-def fp8_region_enabled() -> Optional[bool]:
-    return _Region.enabled
-
-
-class native_fp8_autocast:
-    """Run native FP8 Linears in FP8 (enabled) or in high precision (disabled) inside the block.
-
-    A plain class rather than a generator so torch.compile can trace it without a graph break."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = bool(enabled)
-        self.previous = None
-
-    def __enter__(self):
-        self.previous = _Region.enabled
-        _Region.enabled = self.enabled
-        return self
-
-    def __exit__(self, *exc):
-        _Region.enabled = self.previous
-        return False
 
 
 # --- the FP8 linear ------------------------------------------------------------------------------------
@@ -219,23 +195,13 @@ class NativeFP8Linear(nn.Linear):
         new._setup_fp8(**fp8_options)
         return new
 
-    def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear sharing this layer's Parameter objects."""
-        plain = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(plain)
-        plain.in_features, plain.out_features = self.in_features, self.out_features
-        plain.weight, plain.bias = self.weight, self.bias
-        plain.train(self.training)
-        return plain
-
     def fp8_active(self) -> bool:
-        region = _Region.enabled
-        return self.training if region is None else region
+        return fp8_now(self.training)
 
     def runs_fp8(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` runs its GEMMs in FP8 (the test `forward` makes)."""
-        return (self.fp8_active() and token_count(x) > 0 and not x.shape[-1] % ALIGN
-                and not self.out_features % ALIGN)
+        return (self.fp8_active() and token_count(x) > 0 and not x.shape[-1] % ALIGNMENT
+                and not self.out_features % ALIGNMENT)
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -246,7 +212,7 @@ class NativeFP8Linear(nn.Linear):
         if not self.runs_fp8(x):
             return super().forward(x)
         # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
-        return pad_tokens(self._fp8_forward, x, ALIGN)
+        return pad_tokens(self._fp8_forward, x, ALIGNMENT)
 
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -384,6 +350,7 @@ class NativeBackend(Backend):
         return Probe(True, version=f"torch {torch.__version__}")
 
     def options(self, recipe) -> dict:
+        """NativeFP8Linear's keyword options for an FP8RecipeKwargs."""
         return dict(
             scaling=self.scaling_name(recipe), fp8_format=recipe.fp8_format, margin=recipe.margin,
             interval=recipe.interval, amax_history_len=recipe.amax_history_len,
@@ -393,12 +360,23 @@ class NativeBackend(Backend):
         )
 
     def convert(self, model: nn.Module, recipe) -> ConversionReport:
-        return self.convert_with_options(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
+        return self._convert(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
 
-    def convert_with_options(self, model: nn.Module, options: dict, modules_to_ignore=None,
-                             module_filter_fn=None) -> ConversionReport:
-        """Convert with NativeFP8Linear's own options (e.g. a scaling mode per tensor, which a
-        recipe cannot say; fp8plug.float8 uses this for torchao-style configs)."""
+    def convert_with_config(self, model: nn.Module, config, modules_to_ignore=None,
+                            module_filter_fn=None) -> ConversionReport:
+        """Convert with NativeFP8Linear's own options (a dict; e.g. a scaling mode per tensor,
+        which a recipe cannot say: fp8plug.float8 uses this for torchao-style configs). Options
+        not given take FP8RecipeKwargs' defaults."""
+        if not isinstance(config, dict):
+            return super().convert_with_config(model, config, modules_to_ignore, module_filter_fn)
+        options = {name: DEFAULTS[name] for name in ("fp8_format", "margin", "interval", "amax_history_len",
+                                                     "amax_compute_algo", "override_linear_precision",
+                                                     "reduce_amax")}
+        options["scaling"] = self.scalings[0]
+        options.update(config)
+        return self._convert(model, options, modules_to_ignore, module_filter_fn)
+
+    def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn) -> ConversionReport:
         targets, report = plan_conversion(
             model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
             modules_to_ignore, module_filter_fn,
@@ -411,18 +389,16 @@ class NativeBackend(Backend):
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
-        from ..convert import replace_module
-
         for fqn, module in list(model.named_modules()):
             if isinstance(module, NativeFP8Linear):
-                replace_module(model, fqn, module.to_linear())
+                replace_module(model, fqn, plain_linear(module, module.weight, module.bias))
         return model
 
     def is_converted(self, module: nn.Module) -> bool:
         return isinstance(module, NativeFP8Linear)
 
     def autocast(self, recipe, enabled: bool = True):
-        return native_fp8_autocast(enabled)
+        return fp8_region(enabled)
 
     def runs_fp8(self, module: nn.Module, input) -> bool:
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
