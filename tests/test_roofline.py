@@ -1,4 +1,4 @@
-"""fp8plug.roofline: the cost model ranks FP8 against bf16, calibrate() recovers known constants,
+"""fp8plug.roofline: the cost model ranks FP8 against bf16, roofline_fit.calibrate() recovers known constants,
 and the filter plugs into FP8RecipeKwargs.module_filter_fn."""
 
 import math
@@ -15,15 +15,12 @@ from fp8plug.roofline import (
     auto_filter,
     with_auto_filter,
     Costs,
-    calibrate,
     explain,
-    load_bench,
-    load_constants,
     make_module_filter,
     predict_ms,
     predicted_speedup,
-    save_constants,
 )
+from fp8plug.roofline_fit import calibrate, load_bench, load_constants, save_constants
 
 TOKENS = 16384
 

@@ -20,7 +20,7 @@ LLAMA70B_SHAPES: List[Shape] = [
     (16384, 28672, 8192),
 ]
 CPU_SHAPES: List[Shape] = [(256, 256, 256)]
-# Shapes from memory- and overhead-bound to compute-bound: what fp8plug.roofline.calibrate needs
+# Shapes from memory- and overhead-bound to compute-bound: what fp8plug.roofline_fit.calibrate needs
 # to pin down peak, bandwidth and overhead separately.
 SWEEP_SHAPES: List[Shape] = [
     (m, k, n)
