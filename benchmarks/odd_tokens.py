@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     modes = bench.parse_modes(args.modes) if args.modes else (list(bench.MODES) if device.type == "cuda" else ["eager"])
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
     repeats = args.repeats if args.repeats is not None else (20 if device.type == "cuda" else 3)
-    timer = bench._Timer(device, warmup, repeats)
+    timer = bench.Timer(device, warmup, repeats)
     specs, unavailable = bench.resolve_engines(args.engines, device_info(device))
     specs = [s for s in specs if s.backend is not None]
     rows = []

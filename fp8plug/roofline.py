@@ -9,7 +9,7 @@ model says which side of that line a layer falls on:
                  + cast bytes / bandwidth   (FP8 only)
                  + overhead
 
-for bf16 and for each FP8 engine, with peak, bandwidth and overhead fitted by `calibrate` to
+for bf16 and for each FP8 engine, with peak, bandwidth and overhead fitted by fp8plug.roofline_fit.calibrate to
 `fp8plug bench --shapes sweep` GPU times (queued timing: the GPU's own time, as inside a model).
 fp8plug ships the fit from an H200 (`SM90`, used on compute capability 9.0: H100 and H200).
 
@@ -29,8 +29,6 @@ The model is deliberately small: it only has to rank bf16 against FP8 for one la
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -51,7 +49,7 @@ class Costs:
     peak_tflops: dense GEMM throughput reached on large shapes.
     bandwidth_gbs: memory bandwidth reached by memory-bound GEMMs and the FP8 casts.
     overhead_us: fixed cost of one Linear forward+backward (launches, autograd, scale bookkeeping).
-    note: where the numbers come from ("PLACEHOLDER ..." or "calibrated ...").
+    note: where the numbers come from ("calibrated on ...").
     """
 
     peak_tflops: float
@@ -70,7 +68,7 @@ class Costs:
 
 _H200 = ("calibrated on one H200 (torch 2.11, TE 2.20.2, torchao 0.18), fp8plug bench --shapes sweep, "
          "queued timing, 20 shapes; rms relative error {err}; docs/results/h200/bench_sweep_queued*.json")
-# Measured, not guessed: fitted by calibrate() to docs/results/h200/bench_sweep_queued.json (bf16,
+# Measured, not guessed: fitted by roofline_fit.calibrate() to docs/results/h200/bench_sweep_queued.json (bf16,
 # native and ao compiled) and bench_sweep_queued_te_eager.json (te; TE runs outside torch.compile).
 # Used for every compute capability 9.0 GPU: H100 and H200 share the tensor cores. Not checked on an
 # H100 (none was free); its lower memory bandwidth slows bf16's memory-bound work and FP8's casts
@@ -96,7 +94,7 @@ AUTO_MIN_SPEEDUP = 0.85
 # --- the cost model ---------------------------------------------------------------------------------
 
 
-def _terms(m: int, k: int, n: int, fp8: bool) -> Tuple[List[Tuple[float, float]], float]:
+def linear_terms(m: int, k: int, n: int, fp8: bool) -> Tuple[List[Tuple[float, float]], float]:
     """([(flops, bytes) per GEMM], cast bytes) for one Linear forward+backward.
 
     The GEMMs: forward (M,K)x(K,N), input gradient (M,N)x(N,K), weight gradient (N,M)x(M,K); each
@@ -110,7 +108,7 @@ def _terms(m: int, k: int, n: int, fp8: bool) -> Tuple[List[Tuple[float, float]]
 
 def predict_ms(m: int, k: int, n: int, costs: Costs, fp8: bool) -> float:
     """Predicted milliseconds for one Linear forward+backward at M tokens, K in, N out features."""
-    terms, cast = _terms(m, k, n, fp8)
+    terms, cast = linear_terms(m, k, n, fp8)
     peak, bw = costs.peak_tflops * 1e12, costs.bandwidth_gbs * 1e9
     seconds = sum(max(f / peak, b / bw) for f, b in terms) + cast / bw + costs.overhead_us * 1e-6
     return seconds * 1e3
@@ -206,7 +204,7 @@ def make_module_filter(
     cost model predicts FP8 at least `min_speedup` times faster than bf16 for `backend`.
 
     tokens: the token count M each Linear sees per step on one GPU (batch size x sequence length).
-    constants: name -> Costs, e.g. from calibrate() on your GPU; missing names fall back to SM90
+    constants: name -> Costs, e.g. from fp8plug.roofline_fit.calibrate() on your GPU; missing names fall back to SM90
     (measured on an H200). Modules other than nn.Linear are always accepted (the engine decides).
     The returned filter records its verdicts in `.decisions` (fqn -> predicted speed-up).
     """
@@ -243,7 +241,8 @@ def auto_filter(recipe, backend: str, device) -> Optional[SpeedFilter]:
                 f"FP8RecipeKwargs.auto_filter: no calibrated cost model for engine {backend!r}"
                 f"{f' scaling {scaling!r}' if scaling else ''} on {where} (fp8plug has one for compute "
                 "capability 9.0: native, ao, te at their default scalings). Set auto_filter=False and pass "
-                "module_filter_fn=fp8plug.roofline.make_module_filter(...) with constants from calibrate()."
+                "module_filter_fn=fp8plug.roofline.make_module_filter(...) with constants from "
+                "fp8plug.roofline_fit.calibrate()."
             )
         return None
     tokens = _check_tokens(getattr(recipe, "auto_filter_tokens", None) or DEFAULT_TOKENS, "FP8RecipeKwargs.auto_filter_tokens")
@@ -264,112 +263,6 @@ def with_auto_filter(recipe, backend: str, device):
     return recipe
 
 
-# --- calibration ----------------------------------------------------------------------------------
-
-
-def load_bench(path: str) -> List[dict]:
-    """The rows of a `fp8plug bench --json` file."""
-    with open(path) as f:
-        return _rows(json.load(f))
-
-
-def _rows(data) -> List[dict]:
-    if isinstance(data, Mapping):
-        if "rows" not in data:
-            raise ValueError("calibrate: expected fp8plug bench JSON ({'meta': ..., 'rows': [...]}) or its rows.")
-        data = data["rows"]
-    return list(data)
-
-
-def calibrate(json_rows, mode: Optional[str] = None, min_shapes: int = 3) -> Dict[str, Costs]:
-    """Fit peak, bandwidth and overhead per engine (and bf16) to `fp8plug bench` rows.
-
-    json_rows: the bench JSON (a dict with "rows") or its list of rows. mode: "eager" or
-    "compiled" (default: compiled if any compiled rows, else eager), since the constants differ.
-    Returns {"bf16": Costs, "native:delayed": Costs, "native": Costs, ...}: each engine label,
-    and the bare engine name for its default scaling. An engine with fewer than `min_shapes`
-    measured shapes is left out. For well-determined constants, bench shapes that span
-    memory-bound to compute-bound (`--shapes sweep`); the 70B shapes alone only fix the peak.
-    """
-    rows = [r for r in _rows(json_rows) if r.get("ms") and not r.get("error")]
-    if mode is None:
-        mode = "compiled" if any(r.get("mode") == "compiled" for r in rows) else "eager"
-    rows = [r for r in rows if r.get("mode", mode) == mode]
-    groups: Dict[str, List[Tuple[int, int, int, float]]] = {}
-    aliases: Dict[str, str] = {}
-    for r in rows:
-        label = r["engine"]
-        if label != BF16_KEY and not r.get("backend"):
-            continue  # the bare GEMM bound is no engine
-        groups.setdefault(label, []).append((int(r["M"]), int(r["K"]), int(r["N"]), float(r["ms"]) * 1e-3))
-        if r.get("backend") and r.get("default_scaling", True):
-            aliases[r["backend"]] = label
-    out: Dict[str, Costs] = {}
-    for label, samples in groups.items():
-        if len({s[:3] for s in samples}) < min_shapes:
-            continue
-        peak, bw, overhead, err = _fit(samples, fp8=label != BF16_KEY)
-        note = f"calibrated on {len(samples)} {mode} rows, rms relative error {100 * err:.1f}%"
-        out[label] = Costs(peak / 1e12, bw / 1e9, overhead * 1e6, note)
-    for backend, label in aliases.items():
-        if label in out:
-            out[backend] = out[label]
-    return out
-
-
-def _fit(samples: List[Tuple[int, int, int, float]], fp8: bool) -> Tuple[float, float, float, float]:
-    """(peak flop/s, bandwidth B/s, overhead s, rms relative error) minimising the relative error.
-
-    For a given peak and bandwidth the best overhead is a weighted mean (closed form, clamped at
-    zero); peak and bandwidth are searched on a log grid that is refined around the best point."""
-    data = [(_terms(m, k, n, fp8), t) for m, k, n, t in samples]
-
-    def evaluate(log_peak: float, log_bw: float) -> Tuple[float, float]:
-        peak, bw = math.exp(log_peak), math.exp(log_bw)
-        base = [sum(max(f / peak, b / bw) for f, b in terms) + cast / bw for (terms, cast), _ in data]
-        weights = [1.0 / (t * t) for _, t in data]
-        overhead = sum((t - a) * w for a, (_, t), w in zip(base, data, weights)) / sum(weights)
-        overhead = max(overhead, 0.0)
-        loss = sum(((a + overhead - t) / t) ** 2 for a, (_, t) in zip(base, data))
-        return loss, overhead
-
-    lo_p, hi_p = math.log(1e8), math.log(1e17)
-    lo_b, hi_b = math.log(1e8), math.log(1e14)
-    steps = 36
-    dp, db = (hi_p - lo_p) / (steps - 1), (hi_b - lo_b) / (steps - 1)
-    grid = sorted((evaluate(lo_p + i * dp, lo_b + j * db)[0], lo_p + i * dp, lo_b + j * db)
-                  for i in range(steps) for j in range(steps))
-    best = grid[0]
-    for start in grid[:6]:  # refine the best few cells: the loss has ridges where max() switches
-        loss, p, b = start
-        sp, sb = dp, db
-        while sp > 1e-7 or sb > 1e-7:
-            moves = [(evaluate(p + i * sp, b + j * sb)[0], p + i * sp, b + j * sb)
-                     for i in (-1, 0, 1) for j in (-1, 0, 1) if i or j]
-            candidate = min(moves)
-            if candidate[0] < loss:
-                loss, p, b = candidate
-            else:
-                sp, sb = sp * 0.5, sb * 0.5
-        best = min(best, (loss, p, b))
-    loss, p, b = best
-    loss, overhead = evaluate(p, b)
-    return math.exp(p), math.exp(b), overhead, math.sqrt(loss / len(data))
-
-
-def save_constants(constants: Mapping[str, Costs], path: str) -> None:
-    """Write constants as JSON (name -> fields), for reuse without the bench rows."""
-    with open(path, "w") as f:
-        json.dump({k: v.to_dict() for k, v in constants.items()}, f, indent=2)
-        f.write("\n")
-
-
-def load_constants(path: str) -> Dict[str, Costs]:
-    """Read constants written by save_constants."""
-    with open(path) as f:
-        return {k: Costs.from_dict(v) for k, v in json.load(f).items()}
-
-
 def explain(model: nn.Module, backend: str, tokens: int, *, scaling: Optional[str] = None,
             constants: Optional[Mapping[str, Costs]] = None, min_speedup: float = 1.0) -> str:
     """One line per nn.Linear of `model`: shape, predicted speed-up, and fp8 or bf16."""
@@ -385,6 +278,5 @@ def explain(model: nn.Module, backend: str, tokens: int, *, scaling: Optional[st
 
 __all__ = [
     "AUTO_MIN_SPEEDUP", "CALIBRATED", "CAST_BYTES_PER_ELEMENT", "Costs", "DEFAULT_TOKENS", "SM90", "SpeedFilter", "auto_filter",
-    "calibrate", "explain", "load_bench", "load_constants", "make_module_filter", "predict_ms",
-    "predicted_speedup", "save_constants", "with_auto_filter",
+    "explain", "linear_terms", "make_module_filter", "predict_ms", "predicted_speedup", "speedup", "with_auto_filter",
 ]

@@ -1,11 +1,9 @@
 """fp8plug.Accelerator on the CPU with the native engine: handlers, precision, prepare, checkpoints."""
 
 import contextlib
-import os
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, MSAMPRecipeKwargs
 from accelerate.utils.dataclasses import FP8BackendType
 from safetensors.torch import load_file
@@ -16,27 +14,11 @@ from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
 from fp8plug.accelerator import _rebind_optimizers
 from fp8plug.backends.native import NativeBackend, NativeFP8Linear
 from fp8plug.checkpoint import install_plain_state_dict
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
+from tests._hf import fresh
+from tests._training import train
 
 CFG = DecoderConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=32)
-
-
-@pytest.fixture(autouse=True)
-def clean_accelerate(monkeypatch):
-    """Each test starts with no accelerate singletons and no launch environment."""
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_"):
-            monkeypatch.delenv(name)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def fresh():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def make(recipe=None, **kwargs):
@@ -52,18 +34,6 @@ def model_and_optimizer(seed=0, lr=1e-2):
 
 def batches(n, seed=1):
     return synthetic_batches(n, batch=2, seq=16, vocab=CFG.vocab_size, seed=seed)
-
-
-def train(accelerator, model, optimizer, tokens_list):
-    losses = []
-    for tokens in tokens_list:
-        with accelerator.accumulate(model):
-            loss = lm_loss(model(tokens), tokens)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 # --- construction ----------------------------------------------------------------------------------
@@ -200,7 +170,7 @@ def test_prepare_rebinds_optimizer_to_new_parameters():
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert id(new_q) in held and id(old_q) not in held
     before = new_q.detach().clone()
-    train(acc, model, optimizer, batches(1))
+    train(model, optimizer, batches(1), accelerator=acc)
     assert not torch.equal(before, new_q.detach())  # the model's own weights trained: nothing stale
 
 
@@ -263,7 +233,7 @@ def test_accumulate_hooks_after_step_and_first_microbatch():
     engine = acc.fp8_engine = CountingNative()
     model, optimizer = model_and_optimizer()
     model, optimizer = acc.prepare(model, optimizer)
-    train(acc, model, optimizer, batches(6))
+    train(model, optimizer, batches(6), accelerator=acc)
     assert engine.firsts == [True, False, False, True, False, False]
     assert engine.steps == 2  # once per real optimizer step, not per micro-batch
 
@@ -274,7 +244,7 @@ def test_after_step_hook_for_an_optimizer_prepared_after_its_model():
     model, optimizer = model_and_optimizer()
     model = acc.prepare(model)
     optimizer = acc.prepare(optimizer)
-    train(acc, model, optimizer, batches(2))
+    train(model, optimizer, batches(2), accelerator=acc)
     assert engine.steps == 2
 
 
@@ -294,7 +264,7 @@ def test_torch_compile_after_conversion():
     model, optimizer = model_and_optimizer()
     model, optimizer = acc.prepare(model, optimizer)
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-    train(acc, model, optimizer, batches(2))
+    train(model, optimizer, batches(2), accelerator=acc)
     assert acc.unwrap_model(model).layers[0].q.fp8_step.tolist() == [2, 2, 2]
 
 
@@ -306,7 +276,7 @@ def test_state_dicts_have_plain_keys_and_load_strictly_both_ways(tmp_path):
     model, optimizer = model_and_optimizer()
     plain_keys = set(TinyDecoder(CFG).state_dict())
     model, optimizer = acc.prepare(model, optimizer)
-    train(acc, model, optimizer, batches(1))
+    train(model, optimizer, batches(1), accelerator=acc)
 
     got = acc.get_state_dict(model)
     assert set(got) == plain_keys
@@ -361,10 +331,10 @@ def test_save_state_load_state_resumes_identically(tmp_path):
     acc = make()
     model, optimizer = model_and_optimizer(seed=0)
     model, optimizer = acc.prepare(model, optimizer)
-    train(acc, model, optimizer, data[:3])
+    train(model, optimizer, data[:3], accelerator=acc)
     acc.save_state(tmp_path / "ckpt")
     saved_history = model.layers[0].q.fp8_amax_history.clone()
-    reference = train(acc, model, optimizer, data[3:])
+    reference = train(model, optimizer, data[3:], accelerator=acc)
     reference_weights = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
 
     def resumed(break_fp8_state=False):
@@ -380,7 +350,7 @@ def test_save_state_load_state_resumes_identically(tmp_path):
                     m.fp8_amax_history.zero_()
                     m.fp8_scale.fill_(1.0)
                     m.fp8_step.zero_()
-        return acc2, model2, train(acc2, model2, optimizer2, data[3:])
+        return acc2, model2, train(model2, optimizer2, data[3:], accelerator=acc2)
 
     acc2, model2, losses = resumed()
     assert losses == reference  # bit-identical
@@ -430,7 +400,7 @@ def test_float8_all_gather_only_under_fsdp2():
     model, optimizer = acc.prepare(model, optimizer)
     assert type(model.layers[0].q.weight) is nn.Parameter
     assert acc.fp8_recipe.enable_fsdp_float8_all_gather  # the user's recipe is left as given
-    losses = train(acc, model, optimizer, batches(2))
+    losses = train(model, optimizer, batches(2), accelerator=acc)
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -468,8 +438,7 @@ def test_optimizer_states_field_swaps_adamw_for_a_low_bit_one(monkeypatch):
                               kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend="native", optimizer_states="8bit")])
     model, opt = acc.prepare(model, opt)
     assert isinstance(opt.optimizer, AdamW8bit)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    fresh()
     model = nn.Sequential(nn.Linear(256, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = fp8plug.Accelerator(mixed_precision="fp8", cpu=True,

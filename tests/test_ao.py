@@ -2,7 +2,6 @@
 the FP8RecipeKwargs mapping, the eval policy, compile, activation checkpointing, unconvert."""
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -23,13 +22,6 @@ from fp8plug.backends import get_backend, select_backend  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_FP8_"):
-            monkeypatch.delenv(key)
 
 
 @pytest.fixture

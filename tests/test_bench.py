@@ -90,6 +90,15 @@ def test_bad_engine_makes_run_return_2(capsys):
     assert "--engines: unknown engine" in capsys.readouterr().err
 
 
+def test_python_m_fp8plug_bench_runs_main():
+    """`python -m fp8plug.bench` (fp8plug/bench/__main__.py) is `fp8plug bench`: same options, same
+    exit status."""
+    proc = subprocess.run([sys.executable, "-m", "fp8plug.bench", "--engines", "fp4", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "fp8plug bench: --engines: unknown engine 'fp4'" in proc.stderr
+
+
 # --- running -------------------------------------------------------------------------------------
 
 
@@ -161,7 +170,7 @@ def test_bench_smoke_compiled(tmp_path):
 def test_compile_flag_adds_the_compiled_mode():
     parser = bench.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--device", "cpu", "--compile"])
-    device, shapes, modes, warmup, repeats = bench._settings(args)
+    device, shapes, modes, warmup, repeats = bench.settings(args)
     assert modes == ["eager", "compiled"] and shapes == bench.CPU_SHAPES
     assert (warmup, repeats) == (2, 5)
 
@@ -209,7 +218,7 @@ def test_timing_option():
     itself needs a GPU (tests/gpu runs the bench); on the CPU both are wall clock."""
     import argparse
 
-    from fp8plug.bench import _Timer, add_arguments
+    from fp8plug.bench import Timer, add_arguments
 
     parser = add_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).timing == "queued"
@@ -217,7 +226,7 @@ def test_timing_option():
     with pytest.raises(SystemExit):
         parser.parse_args(["--timing", "sometimes"])
     with pytest.raises(ValueError, match="--timing: 'sometimes' is not one of queued, synced"):
-        _Timer(torch.device("cpu"), 1, 1, "sometimes")
+        Timer(torch.device("cpu"), 1, 1, "sometimes")
     calls = []
-    assert _Timer(torch.device("cpu"), 1, 3, "synced")(lambda: calls.append("step"), lambda: calls.append("reset")) >= 0
+    assert Timer(torch.device("cpu"), 1, 3, "synced")(lambda: calls.append("step"), lambda: calls.append("reset")) >= 0
     assert calls == ["reset", "step"] * 4

@@ -23,13 +23,6 @@ from fp8plug.coverage import COUNTS, fp8_coverage  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_") or key.startswith("FP8PLUG_"):
-            monkeypatch.delenv(key)
-
-
 def ao(**kwargs):
     return FP8RecipeKwargs(backend="ao", **kwargs)
 

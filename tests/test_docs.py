@@ -52,19 +52,11 @@ def python_blocks(path: Path):
 
 @pytest.fixture
 def clean_accelerate(monkeypatch, tmp_path):
-    """No launch environment, a fresh Accelerate state, and a scratch working directory."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_") or name == "FP8PLUG_OPTIMIZER_STATES":
-            monkeypatch.delenv(name)
+    """A scratch working directory, and afterwards the environment as it was (tests/conftest.py
+    cleans the settings and accelerate's state around every test)."""
     saved = dict(os.environ)
     monkeypatch.chdir(tmp_path)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     yield tmp_path
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     os.environ.clear()  # whatever a block set, before monkeypatch puts back what it removed
     os.environ.update(saved)
 

@@ -19,8 +19,7 @@ EXAMPLES = ROOT / "examples"
 
 
 def environment(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.pop("FP8PLUG_OPTIMIZER_STATES", None)
+    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["HF_HOME"] = str(tmp_path / "hf_home")  # no user accelerate config, no cached models
     env["HF_HUB_OFFLINE"] = "1"  # a download attempt fails instead of reaching the network

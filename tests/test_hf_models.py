@@ -8,7 +8,6 @@ converted models before.
 
 import copy
 import inspect
-import os
 from collections import OrderedDict
 
 import pytest
@@ -18,22 +17,9 @@ from transformers import LlamaForCausalLM
 
 import fp8plug
 from tests._hf import VOCAB, fresh, tiny_llama
+from tests._training import hf_loss
+from tests._training import train as shared_train
 from fp8plug import FP8RecipeKwargs, apply_fp8_autowrap, remove_fp8_autowrap
-
-
-
-@pytest.fixture(autouse=True)
-def clean_accelerate(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_"):
-            monkeypatch.delenv(name)
-    fresh()
-    yield
-    fresh()
-
-
-
-
 
 
 def accelerator(backend):
@@ -92,15 +78,8 @@ def test_any_parameter_kinds_survive():
 
 def train(acc, model, optimizer, steps, seed):
     g = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps)]
+    return shared_train(model, optimizer, batches, loss=hf_loss, accelerator=acc)
 
 
 @pytest.mark.parametrize("backend", ["native", "ao"])

@@ -17,7 +17,8 @@ import torch
 from fp8plug.backends import get_backend
 from fp8plug.optim import convert_optimizer, optimizer_states_of, state_bytes
 from fp8plug.recipe import FP8RecipeKwargs
-from tests._models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from tests._models import DecoderConfig, TinyDecoder, synthetic_batches
+from tests._training import tail_mean, train
 
 pytest.importorskip("torchao.optim")
 
@@ -29,7 +30,6 @@ TORCHAO_ADAM = {"fp8": "AdamFp8", "8bit": "Adam8bit", "4bit": "Adam4bit"}
 @pytest.fixture(autouse=True)
 def eager_torchao(monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    monkeypatch.delenv("FP8PLUG_OPTIMIZER_STATES", raising=False)
 
 
 def recipe(states):
@@ -230,16 +230,10 @@ def _train(make_optimizer, steps=200):
         cfg = DecoderConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, ffn_dim=128, max_seq_len=32)
         model = TinyDecoder(cfg)
         optimizer = make_optimizer(model.parameters())
-        losses = []
-        for tokens in synthetic_batches(steps, batch=8, seq=32, vocab=cfg.vocab_size, seed=0):
-            loss = lm_loss(model(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train(model, optimizer, synthetic_batches(steps, batch=8, seq=32, vocab=cfg.vocab_size, seed=0))
     finally:
         torch.set_num_threads(threads)
-    return sum(losses[-10:]) / 10, optimizer
+    return tail_mean(losses), optimizer
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,6 @@ from fp8plug import FP8RecipeKwargs
 ENV_PREFIX = "ACCELERATE_FP8_"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith((ENV_PREFIX, "FP8PLUG_")):
-            monkeypatch.delenv(key)
-
-
 def test_defaults_match_the_seed():
     r = FP8RecipeKwargs()
     assert isinstance(r, KwargsHandler)

@@ -45,15 +45,6 @@ TE1_FIELDS = {"DelayedScaling": frozenset({"margin", "interval", "fp8_format", "
                                            "override_linear_precision", "scaling_factor_compute_algo", "reduce_amax"})}
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_FP8_"):
-            monkeypatch.delenv(key)
-
-
 def _te_module_names():
     return [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]
 

@@ -23,17 +23,8 @@ SEQ = 16
 
 
 @pytest.fixture(autouse=True)
-def clean_accelerate(monkeypatch):
-    """No accelerate singletons and no launch environment from an earlier test."""
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_"):
-            monkeypatch.delenv(name)
+def one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    fresh()
-    yield
-    fresh()
-
-
 
 
 class Counting(torch.utils.data.Dataset):
@@ -225,7 +216,7 @@ def test_two_cpu_processes_under_accelerate_launch(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FP8PLUG_"))}
+    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
     out = tmp_path / "results"

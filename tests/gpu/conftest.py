@@ -2,8 +2,6 @@
 skipped everywhere else (CI has no GPU). Run them on the lent H100/H200 with the .gpu kit:
 `source .gpu/install.sh && python3 -m pytest tests/gpu -q`."""
 
-import os
-
 import pytest
 import torch
 
@@ -11,9 +9,6 @@ from fp8plug.backends.te import share_torch_cudnn
 
 # Test files import TransformerEngine directly; let it load torch's cuDNN, as fp8plug does.
 share_torch_cudnn()
-# These tests check numerics on small models, which the default speed filter (auto_filter, on for
-# sm_90) would keep in bf16; test_auto_filter_gpu.py checks the filter itself.
-os.environ.setdefault("FP8PLUG_AUTO_FILTER", "false")
 
 
 def _fp8_gpu():
@@ -27,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_speed_filter(monkeypatch):
+    """These tests check numerics on small models, which the default speed filter (auto_filter, on
+    for sm_90) would keep in bf16; test_auto_filter_gpu.py checks the filter itself. (It runs after
+    tests/conftest.py's clean_settings, which removes every FP8PLUG_* setting.)"""
+    monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")
 
 
 @pytest.fixture

@@ -9,32 +9,18 @@ import os
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
+from tests._hf import fresh
+from tests._training import tail_mean, train
 
 CFG = DecoderConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=512, max_seq_len=64)
 ENGINES = ["native", "ao", "te"]
 STEPS = 150
 MAX_GAP = 0.05  # relative gap of the final loss (mean of the last 10 steps) to bf16's
 LINEARS = {f"layers.{i}.{name}" for i in range(2) for name in ("q", "k", "v", "o", "gate", "up", "down")}
-
-
-@pytest.fixture(autouse=True)
-def clean_accelerate(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_"):
-            monkeypatch.delenv(name)
-    fresh()
-    yield
-    fresh()
-
-
-def fresh():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def accelerator(backend=None, **kwargs):
@@ -53,37 +39,20 @@ def data(n=32):
     return synthetic_batches(n, batch=16, seq=64, vocab=CFG.vocab_size, seed=1, device="cuda")
 
 
-def train(acc, model, optimizer, batches, steps):
-    losses = []
-    for step in range(steps):
-        tokens = batches[step % len(batches)]
-        with acc.accumulate(model):
-            loss = lm_loss(model(tokens), tokens)
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def run(backend, model, steps=STEPS, **kwargs):
     fresh()
     acc = accelerator(backend, **kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     model, optimizer = acc.prepare(model, optimizer)
-    losses = train(acc, model, optimizer, data(), steps)
+    losses = train(model, optimizer, data(), steps, accelerator=acc)
     return acc, model, losses
-
-
-def tail(losses):
-    return sum(losses[-10:]) / 10
 
 
 @pytest.fixture(scope="module")
 def bf16_final():
     fresh()
     _, _, losses = run(None, base_model())
-    return tail(losses)
+    return tail_mean(losses)
 
 
 @pytest.mark.parametrize("backend", ENGINES)
@@ -92,7 +61,7 @@ def test_trains_within_5_percent_of_bf16(backend, bf16_final):
     assert acc.mixed_precision == "fp8" and acc.fp8_engine.name == backend
     converted = set(acc.fp8_reports[0].converted)  # TransformerEngine also converts the norms
     assert LINEARS <= converted and "lm_head" not in converted, str(acc.fp8_reports[0])
-    final = tail(losses)
+    final = tail_mean(losses)
     assert losses[0] > final  # it learned
     gap = abs(final - bf16_final) / bf16_final
     print(f"{backend}: fp8 {final:.4f} bf16 {bf16_final:.4f} gap {gap:.2%}")
@@ -130,7 +99,7 @@ def test_save_state_load_state_restores_fp8_state(backend, tmp_path):
     saved_fp8 = acc.fp8_engine.fp8_state(acc.unwrap_model(model))
     assert saved_fp8, "the engine reported no FP8 scaling state after 5 FP8 steps"
     optimizer = acc._optimizers[0]
-    reference = train(acc, model, optimizer, batches[5:10], 5)
+    reference = train(model, optimizer, batches[5:10], 5, accelerator=acc)
 
     fresh()
     acc2 = accelerator(backend)
@@ -144,7 +113,7 @@ def test_save_state_load_state_restores_fp8_state(backend, tmp_path):
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(loaded[fqn][name], value), (fqn, name)
-    resumed = train(acc2, model2, optimizer2, batches[5:10], 5)
+    resumed = train(model2, optimizer2, batches[5:10], 5, accelerator=acc2)
     for a, b in zip(resumed, reference):
         assert abs(a - b) / b <= 1e-2, (resumed, reference)
 
@@ -165,12 +134,12 @@ def test_te_gradient_accumulation_marks_first_microbatch():
         model = base_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
         model, optimizer = acc.prepare(model, optimizer)
-        losses = train(acc, model, optimizer, data(), 40)
+        losses = train(model, optimizer, data(), 40, accelerator=acc)
     finally:
         del engine.microbatch
     assert seen[:4] == [True, False, True, False] and len(seen) == 40
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert tail(losses) < losses[0] * 0.9
+    assert tail_mean(losses) < losses[0] * 0.9
 
 
 def test_launch_with_the_one_gpu_example_config(tmp_path):

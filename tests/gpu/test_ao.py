@@ -21,6 +21,7 @@ from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
+from tests._training import adamw_tail_loss  # noqa: E402
 
 ROWWISE_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 SCALINGS = [
@@ -145,32 +146,18 @@ def test_mxfp8_is_refused_clearly_below_sm100():
     assert type(model[0]) is nn.Linear and type(model[0].weight) is nn.Parameter  # left untouched
 
 
-def train(model, batches, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    losses = []
-    for i in range(steps):
-        tokens = batches[i % len(batches)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return sum(losses[-10:]) / 10
-
-
 def test_compiled_decoder_trains_close_to_bf16():
     torch.manual_seed(0)
     cfg = DecoderConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, ffn_dim=1024, max_seq_len=128)
     base = TinyDecoder(cfg).cuda()
     batches = synthetic_batches(32, 16, 128, cfg.vocab_size, device="cuda")
-    bf16 = train(torch.compile(copy.deepcopy(base)), batches, 150)
+    bf16 = adamw_tail_loss(torch.compile(copy.deepcopy(base)), batches, 150, autocast="cuda")
     model = copy.deepcopy(base)
     recipe = FP8RecipeKwargs(backend="ao", modules_to_ignore=["lm_head"])
     report = fp8plug.convert_model(model, recipe=recipe)
     assert len(report.converted) == 2 * 7
     fp8plug.apply_fp8_autowrap(model, recipe)
-    fp8 = train(torch.compile(model), batches, 150)
+    fp8 = adamw_tail_loss(torch.compile(model), batches, 150, autocast="cuda")
     assert abs(fp8 - bf16) / bf16 <= 0.10, (fp8, bf16)
 
 

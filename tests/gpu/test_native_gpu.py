@@ -10,8 +10,9 @@ from torch import nn
 
 import fp8plug
 from fp8plug.backends.native import NativeFP8Linear
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._numerics import sqnr_db
+from tests._training import adamw_tail_loss
 
 OPTIONS = dict(fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,
                amax_compute_algo="most_recent", override_linear_precision=(False, False, False))
@@ -52,30 +53,16 @@ def test_compiled_matches_eager_on_gpu():
     torch.testing.assert_close(layer.fp8_scale, eager.fp8_scale)
 
 
-def train(model, batches, steps=150):
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    losses = []
-    for step in range(steps):
-        tokens = batches[step % len(batches)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return sum(losses[-10:]) / 10
-
-
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
 def test_decoder_trains_close_to_bf16(scaling):
     torch.manual_seed(0)
     cfg = DecoderConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, ffn_dim=1024, max_seq_len=128)
     base = TinyDecoder(cfg).cuda()
     batches = synthetic_batches(32, 16, 128, cfg.vocab_size, device="cuda")
-    bf16 = train(copy.deepcopy(base), batches)
+    bf16 = adamw_tail_loss(copy.deepcopy(base), batches, 150, autocast="cuda")
     model = copy.deepcopy(base)
     recipe = fp8plug.FP8RecipeKwargs(backend="native", scaling=scaling, modules_to_ignore=["lm_head"])
     fp8plug.convert_model(model, recipe=recipe)
     fp8plug.apply_fp8_autowrap(model, recipe)
-    fp8 = train(model, batches)
+    fp8 = adamw_tail_loss(model, batches, 150, autocast="cuda")
     assert abs(fp8 - bf16) / bf16 <= 0.10, (fp8, bf16)

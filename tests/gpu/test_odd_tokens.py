@@ -8,7 +8,6 @@ Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_odd_tokens.py -q
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -49,14 +48,6 @@ RECIPES = [
     pytest.param(("te", "block"), id="te-block",
                  marks=[needs_te, pytest.mark.skipif(not _block_ok(), reason="block scaling needs sm_90 and CUDA 12.9")]),
 ]
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("ACCELERATE_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")
 
 
 def pair(backend, scaling, k=512, n=256):

@@ -19,8 +19,9 @@ import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.backends import te as te_engine  # noqa: E402
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
+from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches  # noqa: E402
 from tests._numerics import rel_error  # noqa: E402
+from tests._training import adamw_tail_loss, tail_mean, train  # noqa: E402
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16
@@ -333,16 +334,7 @@ def _base():
 
 
 def _train_plain(model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    losses = []
-    for tokens in batches:
-        with torch.autocast("cuda", dtype=BF16):
-            loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return sum(losses[-20:]) / 20
+    return adamw_tail_loss(model, batches, autocast="cuda", tail=20)
 
 
 @pytest.fixture(scope="module")
@@ -371,15 +363,7 @@ def test_decoder_through_accelerator_within_5_percent_of_bf16(bf16_loss):
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         assert isinstance(model.layers[0].q, te.Linear)
-        losses = []
-        for tokens in _batches():
-            with accelerator.accumulate(model):
-                loss = lm_loss(model(tokens), tokens)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            losses.append(loss.item())
-        fp8 = sum(losses[-20:]) / 20
+        fp8 = tail_mean(train(model, optimizer, _batches(), accelerator=accelerator), 20)
         assert abs(fp8 - bf16_loss) / bf16_loss <= 0.05, (fp8, bf16_loss)
     finally:
         AcceleratorState._reset_state(True)
