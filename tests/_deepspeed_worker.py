@@ -9,8 +9,8 @@ A run named "bf16" is plain accelerate in bf16 (the reference); any other name i
 engine under fp8plug.Accelerator. With --resume-steps K every FP8 run saves its state K steps
 before the end, and afterwards a fresh Accelerator, model (other initial weights) and optimizer
 load it and train those last K steps again: the losses must be the same, loss for loss.
---zero-init builds the stage-3 models inside deepspeed.zero.Init (partitioned at construction,
-as accelerate's zero3_init_flag does). --from-launch takes everything (mixed precision, engine,
+--zero-init-runs repeats runs at stage 3 (--zero-init-steps long, no resume) with the model built
+inside deepspeed.zero.Init (partitioned at construction, as accelerate's zero3_init_flag does). --from-launch takes everything (mixed precision, engine,
 ZeRO stage) from the launch config instead, as a user's script would.
 """
 
@@ -50,7 +50,8 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--zero-init", action="store_true")
+    p.add_argument("--zero-init-runs", default="", help="runs repeated at stage 3 with the model built under zero.Init")
+    p.add_argument("--zero-init-steps", type=int, default=30)
     p.add_argument("--from-launch", action="store_true")
     p.add_argument("--refuse", default="", help="engines whose refusal to run is recorded instead")
     p.add_argument("--out", required=True)
@@ -97,8 +98,12 @@ def make_accelerator(args, stage, run):
 
     import fp8plug
 
-    if args.from_launch:
-        return fp8plug.Accelerator()
+    if args.from_launch:  # everything from the launch config; a DataLoader would give the batch size
+        accelerator = fp8plug.Accelerator()
+        world = accelerator.num_processes
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.batch, train_batch_size=args.batch * world)
+        return accelerator
     plugin = ds_plugin(args, stage)
     if run == "bf16":
         return accelerate.Accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
@@ -106,8 +111,8 @@ def make_accelerator(args, stage, run):
                                kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend=run)])
 
 
-def prepare(args, accelerator, stage, seed):
-    if args.zero_init and stage == 3:
+def prepare(args, accelerator, stage, seed, zero_init=False):
+    if zero_init:
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=accelerator.state.deepspeed_plugin.deepspeed_config):
@@ -157,34 +162,45 @@ def fp8_state_digest(accelerator):
     return sha.hexdigest()
 
 
-def one_run(args, stage, run, shared_dir):
+def scale_updates(accelerator):
+    """(fewest, most) end-of-step scale updates over the converted layers' slots, where the
+    engine's FP8 state counts them (native's fp8_step); None elsewhere."""
+    counts = [int(v) for model in accelerator._fp8_models
+              for entry in accelerator.fp8_engine.fp8_state(model).values()
+              for v in entry.get("fp8_step", torch.empty(0)).flatten().tolist()]
+    return [min(counts), max(counts)] if counts else None
+
+
+def one_run(args, stage, run, shared_dir, zero_init=False):
     fresh()
     accelerator = make_accelerator(args, stage, run)
-    model, optimizer = prepare(args, accelerator, stage, seed=0)
+    model, optimizer = prepare(args, accelerator, stage, seed=0, zero_init=zero_init)
     data = batches(args, accelerator)
+    steps = args.zero_init_steps if zero_init else args.steps
     fp8 = getattr(accelerator, "fp8_engine", None) is not None
-    save_at = args.steps - args.resume_steps if (args.resume_steps and fp8) else None
+    save_at = args.steps - args.resume_steps if (args.resume_steps and fp8 and not zero_init) else None
     save_dir = os.path.join(shared_dir, f"ckpt_{stage}_{run}")
     if fp8:
         accelerator.fp8_coverage(reset=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    losses = train(accelerator, model, optimizer, data, 0, args.steps, save_at, save_dir)
+    losses = train(accelerator, model, optimizer, data, 0, steps, save_at, save_dir)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     result = {
         "stage": stage, "run": run, "losses": losses, "seconds": seconds,
-        "tokens_per_s": args.steps * args.batch * args.seq * accelerator.num_processes / seconds,
+        "tokens_per_s": steps * args.batch * args.seq * accelerator.num_processes / seconds,
         "engine_class": type(model).__name__, "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage, "world_size": accelerator.num_processes,
-        "mixed_precision": str(accelerator.mixed_precision), "zero_init": bool(args.zero_init and stage == 3),
+        "mixed_precision": str(accelerator.mixed_precision), "zero_init": zero_init,
     }
     if fp8:
         coverage = accelerator.fp8_coverage()
         result.update(engine=accelerator.fp8_engine.name, converted=len(accelerator.fp8_reports[0].converted),
-                      fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(accelerator))
+                      fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(accelerator),
+                      scale_updates=scale_updates(accelerator))
     del model, optimizer
     accelerator.free_memory()
     if save_at is not None:
@@ -238,6 +254,8 @@ def main():
                 results.append(one_run(args, stage, run, shared_dir))
             for run in refuse:
                 results.append(refusal(args, stage, run))
+        for run in [r for r in args.zero_init_runs.split(",") if r]:
+            results.append(one_run(args, 3, run, shared_dir, zero_init=True))
     except Exception:  # noqa: BLE001 - reported to the test, which shows it
         error = traceback.format_exc()
     rank = dist.get_rank() if dist.is_initialized() else 0
