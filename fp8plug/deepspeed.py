@@ -14,8 +14,9 @@ handles them:
   instead: when it applied an optimizer step (its `global_steps` advanced), the FP8 engine's
   end-of-step work runs once (`Backend.sync_scaling`, `Backend.after_optimizer_step`).
 - Combinations that cannot work are refused before anything is built: each engine says why in
-  `Backend.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration; TransformerEngine
-  cannot convert a model whose weights were partitioned at construction by `deepspeed.zero.Init`).
+  `Backend.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
+  construction by `deepspeed.zero.Init` is asked about too; the engines that ship convert it by
+  taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
   the FP8 GEMMs in bf16, and accelerate's own message would name bf16, which the user never set.
 
