@@ -36,6 +36,7 @@ from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage
+from . import deepspeed as ds
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
 
@@ -100,7 +101,8 @@ class Accelerator(accelerate.Accelerator):
             arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
         arguments["kwargs_handlers"] = handlers
         self._fp8_as_ao = False
-        super().__init__(**arguments)
+        with ds.clearer_init_errors(fp8_on):
+            super().__init__(**arguments)
 
         self.fp8_enabled = fp8_on
         self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe
@@ -118,6 +120,8 @@ class Accelerator(accelerate.Accelerator):
             self.fp8_engine.check_recipe(recipe)  # a recipe the engine refuses fails here, not mid-prepare
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models)
             self.register_for_checkpointing(self.fp8_checkpoint_state)
+            if ds.is_deepspeed(self):
+                ds.check_engine(self)
 
     # what accelerate sees -------------------------------------------------------------------------
     @property
@@ -173,6 +177,9 @@ class Accelerator(accelerate.Accelerator):
         ]
         for i in new_models:
             check_convertible(args[i], f"prepare(): argument {i}: ")
+        deepspeed = ds.is_deepspeed(self)
+        if deepspeed:
+            ds.check_models(self, [args[i] for i in new_models])
         optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
         optimizers += [getattr(opt, "optimizer", opt) for opt in self._optimizers]
         for i in new_models:
@@ -184,7 +191,10 @@ class Accelerator(accelerate.Accelerator):
         for model in self._fp8_models:  # models prepared earlier count for new optimizers too
             for i in _holders(args, model):
                 self._hook_after_step(args[i], model)
-        return super().prepare(*args, device_placement=device_placement)
+        result = super().prepare(*args, device_placement=device_placement)
+        if deepspeed:  # the step hook goes on DeepSpeed's engine instead (fp8plug.deepspeed)
+            ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
+        return result
 
     def _convert(self, model: nn.Module, optimizers, placement) -> nn.Module:
         """Convert one model (once), keep optimizers on its parameters, wrap its forward."""
@@ -237,7 +247,7 @@ class Accelerator(accelerate.Accelerator):
                 self._fp8_models[self._fp8_models.index(model)] = new_model
 
     def _hook_after_step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step:
+        if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step or ds.is_deepspeed(self):
             return
         key = (id(optimizer), id(model))
         if key in self._fp8_step_hooks:

@@ -21,7 +21,8 @@ from fp8plug import FP8RecipeKwargs
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 # the engine each shipped config names, and whether that engine can run on this CPU-only machine
-EXPECTED = {"cpu_fp8": "native", "cpu_ddp_fp8": "native", "gpu_fp8": "te", "2gpu_fsdp2_fp8": "ao"}
+EXPECTED = {"cpu_fp8": "native", "cpu_ddp_fp8": "native", "gpu_fp8": "te", "2gpu_fsdp2_fp8": "ao",
+            "2gpu_deepspeed_fp8": "te"}
 
 SCRIPT = '''
 import json, os, sys

@@ -187,6 +187,12 @@ class Backend:
         accelerate's FSDP2 preparation must look through. Default: False."""
         return False
 
+    def deepspeed_problem(self, stage: int, partitioned: bool) -> Optional[str]:
+        """Why this engine cannot train under DeepSpeed ZeRO `stage` (with the model's weights
+        already `partitioned` by deepspeed.zero.Init when True), or None where it can
+        (fp8plug.deepspeed turns the reason into the error)."""
+        return None
+
     def sync_scaling(self, models, group=None) -> None:
         """End a step of delayed scaling for `models` (every model this engine converted when
         empty): reduce amaxes across the ranks of `group` and update the scales. Engines whose

@@ -161,6 +161,14 @@ class MSAMPBackend(Backend):
         """Nothing to enter: MS-AMP's FP8Linear always runs FP8 GEMMs, in eval too."""
         return contextlib.nullcontext()
 
+    def deepspeed_problem(self, stage: int, partitioned: bool):
+        return (
+            "MS-AMP runs under DeepSpeed only through its own integration (msamp.deepspeed.initialize "
+            "with an \"msamp\" section in the DeepSpeed config, for MS-AMP's pinned DeepSpeed 0.13.1), "
+            "not the stock deepspeed.initialize accelerate calls; use backend 'te', 'ao' or 'native' "
+            "under DeepSpeed, or accelerate's own MS-AMP path."
+        )
+
     def prepare(self, model: nn.Module, optimizer, recipe):
         """msamp.initialize(model, optimizer, opt_level) on the pair, after checking what MS-AMP
         would otherwise fail on obscurely; returns MS-AMP's (model, optimizer)."""

@@ -1,0 +1,84 @@
+"""DeepSpeed ZeRO 1, 2 and 3 with fp8plug's native engine on the CPU: two processes over gloo
+(`accelerate launch` with a DeepSpeed config, DS_ACCELERATOR=cpu), a tiny transformers Llama,
+bf16 and FP8 under the same stage in one launch (tests/_deepspeed_worker.py). Also the refusals.
+Skipped where DeepSpeed is not installed (pip install deepspeed; DS_BUILD_OPS=0 needs no compiler).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_deepspeed_worker.py"
+STEPS, RESUME = 30, 5
+LAUNCH = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+num_machines: 1
+num_processes: 2
+main_process_port: 0
+deepspeed_config:
+  zero_stage: 1
+"""
+
+
+def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exactly(tmp_path):
+    config = tmp_path / "launch.yaml"
+    config.write_text(LAUNCH)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(DS_ACCELERATOR="cpu", FP8PLUG_DS_CKPT=str(tmp_path), HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(WORKER),
+           "--stages", "1,2,3", "--runs", "bf16,native", "--steps", str(STEPS), "--resume-steps", str(RESUME),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+    assert sorted(ranks) == [0, 1], (proc.stdout + proc.stderr)[-4000:]
+    assert ranks[0]["error"] is None, ranks[0]["error"]
+    results = ranks[0]["results"]
+    for stage in (1, 2, 3):
+        bf16, fp8 = [r for r in results if r["stage"] == stage]
+        assert bf16["run"] == "bf16" and fp8["run"] == "native"
+        for run in (bf16, fp8):
+            assert run["zero_stage"] == stage and run["world_size"] == 2
+            assert run["optimizer_class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+        assert fp8["mixed_precision"] == "fp8" and fp8["converted"] == 15  # 7 per layer and lm_head
+        assert fp8["fp8_gemms"] == STEPS * 15  # forward GEMMs, every step, all in FP8
+        # delayed scaling ended every step exactly once (not per ZeRO param group, not never)
+        assert fp8["scale_updates"] == [STEPS, STEPS]
+        reference, final = sum(bf16["losses"][-5:]) / 5, sum(fp8["losses"][-5:]) / 5
+        assert final < 0.9 * fp8["losses"][0]
+        assert abs(final - reference) / reference < 0.01, (stage, final, reference)
+        assert fp8["resumed_losses"] == fp8["losses"][-RESUME:]  # save_state/load_state: loss for loss
+    other = ranks[1]["results"]
+    assert [r["losses"] for r in other] == [r["losses"] for r in results]
+    assert [r.get("fp8_state") for r in other] == [r.get("fp8_state") for r in results]  # amaxes reduced
+
+
+def test_msamp_is_refused_under_deepspeed_with_the_reason():
+    from fp8plug.backends.msamp import MSAMPBackend
+    from fp8plug.deepspeed import check_engine
+
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 2}})
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), fp8_engine=MSAMPBackend())
+    with pytest.raises(ValueError, match=r"MS-AMP engine cannot run under DeepSpeed ZeRO stage 2: .*msamp\.deepspeed"):
+        check_engine(accelerator)
+
+
+def test_fp16_deepspeed_config_is_refused_naming_fp8():
+    from accelerate.utils import DeepSpeedPlugin
+
+    from fp8plug.deepspeed import clearer_init_errors
+
+    plugin = DeepSpeedPlugin(hf_ds_config={"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                                           "train_micro_batch_size_per_gpu": 1})
+    with pytest.raises(ValueError, match=r"mixed_precision 'fp8' under DeepSpeed: the DeepSpeed config enables fp16"):
+        with clearer_init_errors(fp8_on=True):
+            plugin.set_mixed_precision("bf16")  # what accelerate does with the bf16 fp8plug asks for
