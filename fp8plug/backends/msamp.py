@@ -1,10 +1,12 @@
 """The `msamp` engine: Microsoft MS-AMP, driven through `msamp.initialize(model, optimizer, opt_level)`.
 
 MS-AMP is legacy. It is source-only, pins torch 2.1, TransformerEngine 1.1 and DeepSpeed 0.13.1,
-has been unmaintained upstream since 2024 and is deprecated by Accelerate, so it cannot be
-installed on a current stack. This adapter drives it where it does import; fp8plug's tests check
-the adapter against a stand-in of MS-AMP's documented surface (tests/fakes/msamp), never against
-MS-AMP itself. For FP8 optimizer states without MS-AMP see fp8plug.optim.
+has been unmaintained upstream since 2024 and is deprecated by Accelerate, so as released it does
+not install on a current stack; scripts/build_msamp_kit.sh makes a kit that builds it from source
+for torch 2.11 / CUDA 13 with a small patch (docs/msamp.md). tests/test_msamp_contract.py checks
+this adapter against a stand-in of MS-AMP's documented surface (tests/fakes/msamp);
+tests/gpu/test_msamp_gpu.py trains with the real MS-AMP. For FP8 optimizer states without
+MS-AMP see fp8plug.optim.
 
 How MS-AMP differs from the other engines, and what this adapter does about it:
 
@@ -46,9 +48,10 @@ from ..recipe import OPT_LEVELS
 from .base import Backend, Probe, probe_import
 
 CANNOT_INSTALL = (
-    "MS-AMP cannot be installed on current stacks: it is source-only, pins torch 2.1, "
+    "MS-AMP as released does not install on current stacks: it is source-only, pins torch 2.1, "
     "TransformerEngine 1.1 and DeepSpeed 0.13.1, has been unmaintained upstream since 2024 and is "
-    "deprecated by Accelerate; use backend 'te', 'ao' or 'native' (with "
+    "deprecated by Accelerate. fp8plug's scripts/build_msamp_kit.sh builds it for torch 2.11 / CUDA 13 "
+    "(docs/msamp.md); otherwise use backend 'te', 'ao' or 'native' (with "
     "FP8RecipeKwargs.optimizer_states for low-precision optimizer states)"
 )
 SKIP_MARK = "use_fp32_linear"  # MS-AMP's LinearReplacer leaves a Linear carrying this as True
@@ -78,8 +81,9 @@ class MSAMPBackend(Backend):
     name = "msamp"
     title = "MS-AMP"
     install_hint = (
-        "git clone https://github.com/Azure/MS-AMP && cd MS-AMP && git submodule update --init --recursive "
-        "&& python3 -m pip install . && make postinstall  (in a torch 2.1 container, e.g. NGC pytorch:23.10)"
+        "bash scripts/build_msamp_kit.sh, then bash .msampkit/build.sh on the GPU machine (current torch; "
+        "docs/msamp.md); or, upstream's way, `python3 -m pip install . && make postinstall` in a checkout of "
+        "https://github.com/Azure/MS-AMP inside a torch 2.1 container (NGC pytorch:23.10)"
     )
     scalings = ("delayed",)  # MS-AMP's own amax windows; not configurable through the recipe
 
@@ -198,7 +202,8 @@ class MSAMPBackend(Backend):
             raise RuntimeError(
                 f"msamp.initialize turned torch.optim.AdamW into {type(new_optimizer).__name__} (Adam with "
                 f"L2 weight decay): on torch {torch.__version__} AdamW subclasses Adam, which MS-AMP checks "
-                "first. Use MS-AMP on the torch 2.1 it pins."
+                "first. Build MS-AMP with fp8plug's kit (scripts/build_msamp_kit.sh), whose patch tests AdamW "
+                "first, or use it on the torch 2.1 it pins."
             )
         setattr(new_model, _PREPARED, True)
         _install_plain_checkpoints(new_model)
