@@ -35,7 +35,7 @@ from .backends import select_backend
 from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
-from .coverage import fp8_coverage
+from .coverage import fp8_coverage, is_main_process, logger
 from . import deepspeed as ds
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
@@ -115,13 +115,23 @@ class Accelerator(accelerate.Accelerator):
         # the converted models' FP8 scaling state: save_state writes it; Trainer checkpoints store its state_dict()
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
-            self.fp8_selection = select_backend(recipe.backend, device=self.device)
+            self.fp8_selection = select_backend(recipe.backend, device=self.device, compiled=self._compiles_model())
             self.fp8_engine = self.fp8_selection.backend
+            recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
+            if self.fp8_selection.mode and is_main_process():
+                logger.info("fp8plug: FP8 engine %s", self.fp8_selection.summary())
             self.fp8_engine.check_recipe(recipe)  # a recipe the engine refuses fails here, not mid-prepare
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models)
             self.register_for_checkpointing(self.fp8_checkpoint_state)
             if ds.is_deepspeed(self):
                 ds.check_engine(self)
+
+    def _compiles_model(self) -> bool:
+        """Whether prepare() will torch.compile the model (a dynamo backend from the argument, the
+        config file or `accelerate launch`; a Trainer's torch_compile): the automatic engine choice
+        ranks engines by their speed in that mode."""
+        backend = getattr(getattr(self.state, "dynamo_plugin", None), "backend", None)
+        return backend is not None and str(getattr(backend, "value", backend)).upper() != "NO"
 
     # what accelerate sees -------------------------------------------------------------------------
     @property

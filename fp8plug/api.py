@@ -23,12 +23,15 @@ def convert_model(
     *,
     recipe: Optional[FP8RecipeKwargs] = None,
     backend: Optional[str] = None,
+    compiled: Optional[bool] = None,
 ) -> Optional[ConversionReport]:
     """Convert `model`'s Linear (and, for TransformerEngine, LayerNorm/RMSNorm) layers to FP8
     modules in place, or back to torch modules with `to_transformer_engine=False`.
 
     Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
-    automatically (TransformerEngine where it runs, else torchao, else native). As in Accelerate,
+    automatically: with `compiled` (whether you will torch.compile the model) the engine measured
+    fastest that way (fp8plug.backends.select_backend), else TransformerEngine where it runs, else
+    torchao, else native. As in Accelerate,
     every eligible layer is converted: the automatic speed filter acts here only when the recipe
     asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
     Returns the ConversionReport of what was converted and why anything was skipped (None when
@@ -38,7 +41,8 @@ def convert_model(
         unconvert_model(model)
         return None
     recipe = recipe or FP8RecipeKwargs(backend=backend)
-    selection = select_backend(backend or recipe.backend)
+    selection = select_backend(backend or recipe.backend, compiled=compiled)
+    recipe = selection.tune(recipe)
     return convert_with_engine(model, recipe, selection.backend, selection.device,
                                auto_filter=recipe.auto_filter is True, linear=_convert_linear, norm=_convert_ln)
 

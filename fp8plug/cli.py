@@ -29,6 +29,10 @@ def env_report(device=None) -> str:
         selection = select_backend(None, info)
         lines.extend(selection.explain().splitlines()[1:])  # its first line repeats the device
         lines.append(f"automatic choice: {selection.name} ({selection.backend.title})")
+        for compiled in (True, False):  # what fp8plug.Accelerator picks once it knows how the model runs
+            ranked = select_backend(None, info, compiled=compiled)
+            if ranked.mode:
+                lines.append(f"  for a {ranked.mode} model: {ranked.summary()}")
         lines.append(f"auto_filter  {auto_filter_status(selection.name, info)}")
     except BackendUnavailableError as exc:
         lines.append(str(exc))

@@ -249,6 +249,13 @@ def main():
     try:
         stages = [0] if args.from_launch else [int(s) for s in args.stages.split(",")]
         runs = ["launch"] if args.from_launch else [r for r in args.runs.split(",") if r]
+        if "te" in runs + args.zero_init_runs.split(","):
+            # TransformerEngine imports only before torch first uses cuDNN (the bf16 run's
+            # attention does): probing it now loads it the way a te-only script would (seen on
+            # 2x H200: imported after the bf16 run, `libcudnn_cnn.so.9: undefined symbol`)
+            from fp8plug.backends import get_backend
+
+            get_backend("te").probe()
         for stage in stages:
             for run in runs:
                 results.append(one_run(args, stage, run, shared_dir))

@@ -140,3 +140,80 @@ def test_a_requested_engine_is_the_only_one_probed(monkeypatch):
     probed.clear()
     select_backend(None, H100)
     assert probed == ["msamp", "te", "ao", "native"]  # the automatic choice judges every engine
+
+
+# --- the automatic choice ranked by measured speed (issue 15) ------------------------------------------
+
+def _h100():
+    from fp8plug.hardware import DeviceInfo
+
+    return DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_ranked_choice_takes_the_fastest_measured_usable_engine(compiled):
+    from fp8plug.backends import _engine, select_backend
+
+    selection = select_backend(None, _h100(), compiled=compiled)
+    usable = [n for n, v in selection.verdicts.items() if v.usable]
+    mode = "compiled" if compiled else "eager"
+    assert selection.mode == mode
+    best = max(_engine(n).measured[mode].speedup for n in usable if mode in _engine(n).measured)
+    assert selection.speed.speedup >= best * 0.99
+    assert f"fastest measured for {'a compiled' if compiled else 'an eager'} model" in selection.explain()
+
+
+def test_ranked_choice_gives_the_measured_settings_only_where_the_user_set_none():
+    from fp8plug import FP8RecipeKwargs
+    from fp8plug.backends import select_backend
+
+    selection = select_backend(None, _h100(), compiled=True)
+    if selection.name != "native":
+        pytest.skip("a faster measured engine than native is usable here")
+    assert selection.tune(FP8RecipeKwargs()).scaling == "dynamic"
+    assert selection.tune(FP8RecipeKwargs(scaling="delayed")).scaling == "delayed"
+    requested = select_backend("native", _h100(), compiled=True)
+    assert requested.mode is None and requested.tune(FP8RecipeKwargs()).scaling is None
+
+
+def test_ties_within_one_percent_and_unmeasured_engines_keep_the_automatic_order(monkeypatch):
+    from fp8plug import backends
+    from fp8plug.backends.base import Speed
+
+    monkeypatch.setattr(backends._engine("ao"), "measured", {"compiled": Speed(1.30)})
+    monkeypatch.setattr(backends._engine("native"), "measured", {"compiled": Speed(1.31, "dynamic")})
+    monkeypatch.setattr(backends._engine("te"), "measured", {"compiled": Speed(1.10)})
+    assert backends._fastest_first(["msamp", "te", "ao", "native"], "compiled") == ["ao", "native", "te", "msamp"]
+    monkeypatch.setattr(backends._engine("ao"), "measured", {"compiled": Speed(1.20)})
+    assert backends._fastest_first(["msamp", "te", "ao", "native"], "compiled") == ["native", "ao", "te", "msamp"]
+
+
+def test_without_a_known_mode_or_fp8_gpu_the_old_order_stands():
+    from fp8plug.backends import select_backend
+    from fp8plug.hardware import DeviceInfo
+
+    assert select_backend(None, _h100()).mode is None
+    cpu = select_backend(None, DeviceInfo("cpu", "x86_64", None), compiled=True)
+    assert cpu.mode is None and cpu.speed is None
+
+
+def test_an_eager_choice_slower_than_bf16_says_so():
+    from fp8plug.backends import BF16_EAGER_SPEEDUP, select_backend
+
+    selection = select_backend(None, _h100(), compiled=False)
+    if selection.speed.speedup >= BF16_EAGER_SPEEDUP:
+        pytest.skip("TransformerEngine is usable here")
+    assert "slower than plain bf16 eager" in selection.summary()
+
+
+def test_accelerator_knows_whether_it_compiles():
+    import fp8plug
+
+    from accelerate.state import AcceleratorState
+
+    eager = fp8plug.Accelerator(mixed_precision="fp8", cpu=True)
+    assert eager._compiles_model() is False
+    AcceleratorState._reset_state(True)  # accelerate's state is per process; a second one needs a reset
+    compiled = fp8plug.Accelerator(mixed_precision="fp8", cpu=True, dynamo_backend="inductor")
+    assert compiled._compiles_model() is True
+    assert compiled.fp8_selection.mode is None  # the CPU: no measured ranking, the old order

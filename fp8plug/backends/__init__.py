@@ -8,12 +8,13 @@ import this module (the protocol and its errors live in backends/base.py).
 from __future__ import annotations
 
 import importlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from ..hardware import DeviceInfo, device_info
 from ..recipe import BACKENDS, normalize_backend
-from .base import Backend, BackendUnavailableError, Probe
+from .base import MEASURED_ON, Backend, BackendUnavailableError, Probe, Speed
 
 # The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
 _MODULES = {
@@ -23,6 +24,10 @@ _MODULES = {
     "native": "fp8plug.backends.native:NativeBackend",
 }
 _INSTANCES: Dict[str, Backend] = {}
+_A = {"compiled": "a compiled", "eager": "an eager"}
+# bf16 eager's speed against bf16 compiled in the run behind Backend.measured: an FP8 engine below
+# it is slower than not using FP8 at all when the model runs eagerly
+BF16_EAGER_SPEEDUP = 0.84
 
 
 def get_backend(name: str) -> Backend:
@@ -61,21 +66,59 @@ class Selection:
     device: DeviceInfo
     requested: Optional[str]
     verdicts: Dict[str, Verdict] = field(default_factory=dict)
+    mode: Optional[str] = None  # "compiled" or "eager" when the automatic choice ranked by measured speed
 
     @property
     def name(self) -> Optional[str]:
         return self.backend.name if self.backend else None
 
+    @property
+    def speed(self) -> Optional[Speed]:
+        """The chosen engine's measured speed in this selection's mode (None outside a ranked choice)."""
+        return self.backend.measured.get(self.mode) if self.backend and self.mode else None
+
+    def tune(self, recipe):
+        """`recipe` with the settings the chosen engine was measured fastest with (its `scaling`),
+        where the choice was automatic and ranked and the user set no scaling; else `recipe`."""
+        speed = self.speed
+        if self.requested or speed is None or speed.scaling is None or recipe.scaling is not None:
+            return recipe
+        return dataclasses.replace(recipe, scaling=speed.scaling)
+
+    def summary(self) -> str:
+        """One line: the engine, and why where the choice was ranked by measured speed."""
+        speed = self.speed
+        if speed is None:
+            return f"{self.name}"
+        with_scaling = f" with {speed.scaling} scaling" if speed.scaling else ""
+        line = (f"{self.name}{with_scaling}, measured fastest for {_A[self.mode]} model "
+                f"({speed.speedup:.2f}x bf16 compiled; {MEASURED_ON})")
+        if self.mode == "eager" and speed.speedup < BF16_EAGER_SPEEDUP:
+            line += (f"; slower than plain bf16 eager ({BF16_EAGER_SPEEDUP:.2f}x) all the same: compile the model "
+                     "(Accelerator(dynamo_backend='inductor')) or install TransformerEngine for FP8's speed")
+        return line
+
     def explain(self) -> str:
         lines = [f"device: {self.device.describe()}"]
-        how = f"requested backend={self.requested!r}" if self.requested else "automatic (msamp, te, ao, native)"
+        if self.requested:
+            how = f"requested backend={self.requested!r}"
+        elif self.mode:
+            how = (f"automatic, the fastest measured for {_A[self.mode]} model ({MEASURED_ON}); "
+                   "unmeasured engines and ties within 1% in the order msamp, te, ao, native")
+        else:
+            how = "automatic (msamp, te, ao, native)"
         lines.append(f"selection: {how}")
         for verdict in self.verdicts.values():
             mark = "chosen" if self.backend and verdict.name == self.backend.name else (
                 "usable" if verdict.usable else "no" if verdict.checked else "skipped"
             )
             version = f" {verdict.probe.version}" if verdict.probe.version else ""
-            lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}")
+            speed = _engine(verdict.name).measured.get(self.mode) if self.mode else None
+            measured = ""
+            if speed is not None:
+                with_scaling = f", {speed.scaling} scaling" if speed.scaling else ""
+                measured = f" [{self.mode}: {speed.speedup:.2f}x bf16 compiled{with_scaling}]"
+            lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}{measured}")
         return "\n".join(lines)
 
 
@@ -99,9 +142,14 @@ def not_checked(name: str, requested: str) -> Verdict:
                    f"not checked: backend {requested!r} was requested", checked=False)
 
 
-def select_backend(requested: Optional[str] = None, device=None) -> Selection:
+def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None) -> Selection:
     """Choose the engine: the requested one if it can run (else an error saying why and how to
-    install it), or the first usable one in the order msamp, te, ao, native.
+    install it), or automatically among the usable ones. Automatically, where it is known how the
+    model will run (`compiled` True or False) and the device has FP8 GEMMs, the engine measured
+    fastest in that mode wins (Backend.measured: under torch.compile the native engine with dynamic
+    scaling, eager TransformerEngine); otherwise, and between engines within 1% or unmeasured, the
+    first usable one in the order msamp, te, ao, native. `Selection.tune` then gives the recipe the
+    settings that figure was measured with.
 
     In the automatic choice every engine is judged, not only the winner, so the choice can be
     explained. A requested engine is the only one probed: probing imports an engine, and an
@@ -125,13 +173,32 @@ def select_backend(requested: Optional[str] = None, device=None) -> Selection:
             )
         selection.backend = _engine(requested)
         return selection
-    for name in BACKENDS:
-        if selection.verdicts[name].usable:
-            selection.backend = _engine(name)
-            return selection
+    usable = [name for name in BACKENDS if selection.verdicts[name].usable]
+    if compiled is not None and info.type == "cuda" and info.fp8_gemm:
+        selection.mode = "compiled" if compiled else "eager"
+        usable = _fastest_first(usable, selection.mode)
+    if usable:
+        selection.backend = _engine(usable[0])
+        return selection
     raise BackendUnavailableError(
         "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain()
     )
+
+
+def _fastest_first(names, mode: str):
+    """`names` (in the automatic order) ranked by measured speed in `mode`, fastest first; a
+    figure within 1% of a faster one counts as a tie, and ties and unmeasured engines keep the
+    automatic order (Python's sort is stable)."""
+    speeds = {n: _engine(n).measured.get(mode) for n in names}
+    best = max((s.speedup for s in speeds.values() if s is not None), default=0.0)
+
+    def rank(name):
+        speed = speeds[name]
+        if speed is None:
+            return (2, 0.0)
+        return (0, 0.0) if speed.speedup >= best * 0.99 else (1, -speed.speedup)
+
+    return sorted(names, key=rank)
 
 
 __all__ = ["Backend", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend"]

@@ -41,7 +41,7 @@ from ..convert import (
 )
 from ..recipe import DEFAULTS
 from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
-from .base import Backend, Probe, probe_import
+from .base import Backend, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -131,6 +131,7 @@ class AOBackend(Backend):
     install_hint = "pip install torchao"
     runs_on_cpu = True
     scalings = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    measured = {"compiled": Speed(1.29), "eager": Speed(0.44)}
 
     def probe(self) -> Probe:
         return probe_import("torchao.float8", lambda m: __import__("torchao").__version__)

@@ -56,6 +56,20 @@ def probe_import(module_name: str, version_of: Optional[Callable] = None) -> Pro
     return Probe(True, version=str(version) if version is not None else None)
 
 
+@dataclass(frozen=True)
+class Speed:
+    """A training speed-up measured for an engine over bf16 under torch.compile, in one run of
+    benchmarks/hf_llama.py (docs/performance.md), and the `scaling` it was measured with, which
+    the automatic choice then uses where the user set none (None: the engine's default)."""
+
+    speedup: float
+    scaling: Optional[str] = None
+
+
+# where Backend.measured comes from, for `fp8plug env` and the selection's explanation
+MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/hf_llama.py (docs/performance.md)"
+
+
 class Backend:
     """One FP8 engine behind one protocol. Subclasses set the class attributes and override what
     their engine does; the defaults are what an engine that needs nothing there would do."""
@@ -66,6 +80,9 @@ class Backend:
     runs_on_cpu: ClassVar[bool] = False
     # the scaling recipes FP8RecipeKwargs.scaling may name for this engine; the default comes first
     scalings: ClassVar[Tuple[str, ...]] = ()
+    # measured training speed by how the model runs ("compiled", "eager"), for the automatic choice
+    # on an FP8 GPU (MEASURED_ON); an engine without a figure ranks after those with one
+    measured: ClassVar[Dict[str, Speed]] = {}
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:

@@ -40,7 +40,7 @@ from ..scaling import (
     scale_from_amax,
     write_back,
 )
-from .base import Backend, Probe
+from .base import Backend, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -343,6 +343,8 @@ class NativeBackend(Backend):
     install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
+    # dynamic beats delayed under torch.compile (no end-of-step update on the host's critical path)
+    measured = {"compiled": Speed(1.31, "dynamic"), "eager": Speed(0.63, "dynamic")}
 
     def probe(self) -> Probe:
         if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):

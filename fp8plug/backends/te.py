@@ -66,7 +66,7 @@ from ._te_recipes import (
     RECIPE_CLASSES, IntervalScaling, NativeTERecipe, TERecipePlan, plan_te_recipe, recipe_kind,
     scaling_hardware_problem, warn_once,
 )
-from .base import Backend, Probe, probe_import
+from .base import Backend, Probe, Speed, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -111,6 +111,7 @@ class TEBackend(Backend):
     title = "TransformerEngine"
     install_hint = 'pip install --no-build-isolation "transformer_engine[pytorch]"'
     scalings = ("delayed", "current", "block", "mxfp8", "nvfp4")
+    measured = {"compiled": Speed(1.17), "eager": Speed(1.04)}
 
     def __init__(self):
         self._recipes: Dict[Any, Any] = {}
