@@ -217,3 +217,14 @@ def test_accelerator_knows_whether_it_compiles():
     compiled = fp8plug.Accelerator(mixed_precision="fp8", cpu=True, dynamo_backend="inductor")
     assert compiled._compiles_model() is True
     assert compiled.fp8_selection.mode is None  # the CPU: no measured ranking, the old order
+
+
+def test_ranked_choice_does_not_import_engines_measured_slower():
+    """Importing an engine can change the process (TransformerEngine's cuDNN cost a Llama's
+    attention its cuDNN kernel on the H100), so once a faster engine is usable the rest stay unprobed."""
+    from fp8plug.backends import select_backend
+
+    selection = select_backend(None, _h100(), compiled=True)
+    slower = [n for n, v in selection.verdicts.items() if n != selection.name and not v.checked]
+    assert slower and all("measured faster" in selection.verdicts[n].reason for n in slower)
+    assert list(selection.verdicts) == ["msamp", "te", "ao", "native"]
