@@ -19,6 +19,8 @@ import pytest
 import torch
 import yaml
 
+from tests._record import record
+
 pytest.importorskip("deepspeed", reason="needs DeepSpeed (source .dskit/install.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,14 +71,6 @@ def launch_config(tmp_path, fp8=True) -> Path:
 
 def tail(losses):
     return sum(losses[-10:]) / 10
-
-
-def record(name, summary):
-    print(f"{name}: {json.dumps(summary)}")
-    folder = os.environ.get("FP8PLUG_RECORD_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(summary, indent=1))
 
 
 def check_against_bf16(results, other_rank, max_gap=MAX_GAP):

@@ -16,6 +16,8 @@ import pytest
 import torch
 import yaml
 
+from tests._record import record
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_accelerate.py"
 CONFIGS = ROOT / "examples" / "configs"
@@ -72,14 +74,6 @@ def bf16_final(tmp_path, mode):
         results = launch(tmp_path, write_config(tmp_path, mode, "bf16"))
         _BF16[mode] = tail(results[0]["losses"])
     return _BF16[mode]
-
-
-def record(name, summary):
-    print(f"{name}: {json.dumps(summary)}")
-    folder = os.environ.get("FP8PLUG_RECORD_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(summary, indent=1))
 
 
 @pytest.mark.parametrize("backend", ["native", "ao", "te"])
