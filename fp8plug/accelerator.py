@@ -128,8 +128,8 @@ class Accelerator(accelerate.Accelerator):
 
     def _compiles_model(self) -> bool:
         """Whether prepare() will torch.compile the model (a dynamo backend from the argument, the
-        config file or `accelerate launch`; a Trainer's torch_compile): the automatic engine choice
-        ranks engines by their speed in that mode."""
+        config file or `accelerate launch`): the automatic engine choice ranks engines by their
+        speed in that mode."""
         backend = getattr(getattr(self.state, "dynamo_plugin", None), "backend", None)
         return backend is not None and str(getattr(backend, "value", backend)).upper() != "NO"
 
