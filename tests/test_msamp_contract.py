@@ -322,37 +322,26 @@ def test_eval_runs_fp8_and_says_so(msamp, engine):
 def test_accelerator_prepare_drives_msamp(msamp, monkeypatch):
     """fp8plug.Accelerator hands MS-AMP its (model, optimizer) pair, each step all-reduces first,
     and get_state_dict is plain. (The stand-in runs on the CPU, so the CUDA check is lifted.)"""
-    import os
-
-    from accelerate.state import AcceleratorState, GradientState
-
     import fp8plug
 
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
-        monkeypatch.delenv(name)
+    # (tests/conftest.py clears ACCELERATE_* and accelerate's process state around every test)
     monkeypatch.setattr(MSAMPBackend, "supports", lambda self, device: (True, ""))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        accelerator = fp8plug.Accelerator(
-            cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp")]
-        )
-        model = Net()
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        assert accelerator.fp8_engine.name == "msamp"
-        assert accelerator.fp8_reports[0].converted == ["up", "down"]
-        assert isinstance(model.up, msamp.nn.FP8Linear)
-        inner = optimizer.optimizer
-        assert type(inner) is msamp.optim.LBAdamW and inner.exp_avg_dtype == torch.uint8  # O2 default
-        accelerator.backward(model(torch.randn(16, 32)).sum())
-        optimizer.step()
-        assert inner.all_reduce_calls == [model] and inner.steps == 1
-        state = accelerator.get_state_dict(model)
-        assert all(isinstance(v, torch.Tensor) for v in state.values())
-        assert list(state) == list(Net().state_dict())
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    accelerator = fp8plug.Accelerator(
+        cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp")]
+    )
+    model = Net()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert accelerator.fp8_engine.name == "msamp"
+    assert accelerator.fp8_reports[0].converted == ["up", "down"]
+    assert isinstance(model.up, msamp.nn.FP8Linear)
+    inner = optimizer.optimizer
+    assert type(inner) is msamp.optim.LBAdamW and inner.exp_avg_dtype == torch.uint8  # O2 default
+    accelerator.backward(model(torch.randn(16, 32)).sum())
+    optimizer.step()
+    assert inner.all_reduce_calls == [model] and inner.steps == 1
+    state = accelerator.get_state_dict(model)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert list(state) == list(Net().state_dict())
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -362,20 +351,9 @@ def test_accelerator_prepare_drives_msamp(msamp, monkeypatch):
 def test_accelerator_refuses_what_msamp_cannot_do_before_prepare(msamp, monkeypatch, fields, match):
     """MS-AMP's refusals live in the engine (check_recipe); fp8plug.Accelerator asks at construction,
     before any model or optimizer is touched."""
-    import os
-
-    from accelerate.state import AcceleratorState, GradientState
-
     import fp8plug
 
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
-        monkeypatch.delenv(name)
+    # (tests/conftest.py clears ACCELERATE_* and accelerate's process state around every test)
     monkeypatch.setattr(MSAMPBackend, "supports", lambda self, device: (True, ""))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        with pytest.raises(ValueError, match=match):
-            fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp", **fields)])
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    with pytest.raises(ValueError, match=match):
+        fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp", **fields)])

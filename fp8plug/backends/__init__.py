@@ -135,11 +135,16 @@ def judge(name: str, device: DeviceInfo) -> Verdict:
     return Verdict(name, backend.title, probe, True, f"available, {where}")
 
 
-def not_checked(name: str, requested: str) -> Verdict:
-    """The verdict for an engine left unprobed because another one was requested."""
+def not_checked(name: str, why: str) -> Verdict:
+    """The verdict for an engine left unprobed (unimported), and `why`."""
     backend = _engine(name)
-    return Verdict(name, backend.title, Probe(False, reason="not checked"), False,
-                   f"not checked: backend {requested!r} was requested", checked=False)
+    return Verdict(name, backend.title, Probe(False, reason="not checked"), False, f"not checked: {why}",
+                   checked=False)
+
+
+def _none_usable(selection: Selection) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain())
 
 
 def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None) -> Selection:
@@ -151,11 +156,11 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     first usable one in the order msamp, te, ao, native. `Selection.tune` then gives the recipe the
     settings that figure was measured with.
 
-    In the automatic choice every engine is judged, not only the winner, so the choice can be
-    explained. A requested engine is the only one probed: probing imports an engine, and an
-    import can change the whole process (TransformerEngine loads its own cuDNN, which once cost
-    a native-engine run 3.7% of its speed; see _te_import.share_torch_cudnn), so engines nobody asked for
-    are not imported.
+    In the automatic choice by order every engine is judged, not only the winner, so the choice
+    can be explained. A requested engine is the only one probed, and the choice by measured speed
+    stops at the first usable engine: probing imports an engine, and an import can change the
+    whole process (TransformerEngine loads its own cuDNN; see _te_import.share_torch_cudnn and
+    _ranked_choice), so engines that cannot be chosen are not imported.
     """
     info = device if isinstance(device, DeviceInfo) else device_info(device)
     requested = normalize_backend(requested)  # the one place a requested name is normalised
@@ -164,7 +169,8 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
         return _ranked_choice(selection, "compiled" if compiled else "eager")
     for name in BACKENDS:
         checked = requested is None or name == requested
-        selection.verdicts[name] = judge(name, info) if checked else not_checked(name, requested)
+        selection.verdicts[name] = judge(name, info) if checked else not_checked(
+            name, f"backend {requested!r} was requested")
     if requested is not None:
         verdict = selection.verdicts[requested]
         if not verdict.usable:
@@ -179,9 +185,7 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
         if selection.verdicts[name].usable:
             selection.backend = _engine(name)
             return selection
-    raise BackendUnavailableError(
-        "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain()
-    )
+    raise _none_usable(selection)
 
 
 def _ranked_choice(selection: Selection, mode: str) -> Selection:
@@ -196,12 +200,10 @@ def _ranked_choice(selection: Selection, mode: str) -> Selection:
             if verdict.usable:
                 selection.backend = _engine(name)
         else:
-            selection.verdicts[name] = Verdict(name, _engine(name).title, Probe(False, reason="not checked"), False,
-                                               f"not checked: {selection.backend.name} is measured faster", checked=False)
+            selection.verdicts[name] = not_checked(name, f"{selection.backend.name} is measured faster")
     selection.verdicts = {name: selection.verdicts[name] for name in BACKENDS}
     if selection.backend is None:
-        raise BackendUnavailableError(
-            "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain())
+        raise _none_usable(selection)
     return selection
 
 
