@@ -52,6 +52,7 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--zero-init-runs", default="", help="runs repeated at stage 3 with the model built under zero.Init")
     p.add_argument("--zero-init-steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     p.add_argument("--from-launch", action="store_true")
     p.add_argument("--refuse", default="", help="engines whose refusal to run is recorded instead")
     p.add_argument("--out", required=True)
@@ -111,12 +112,34 @@ def make_accelerator(args, stage, run):
                                kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend=run)])
 
 
+def init_partitioned(model, seed):
+    """Give a model built under zero.Init the initial weights transformers gives an unpartitioned
+    one. zero.Init partitions each submodule's parameters as it is built, so the model's own
+    weight init runs on empty shards and the weights keep torch's defaults (embeddings N(0, 1),
+    tied to lm_head: a first loss near 500 on the GPU); transformers re-initialises only in
+    from_pretrained. Gathered here, set on rank 0 and scattered back."""
+    import deepspeed
+
+    std = model.config.initializer_range
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    module.weight.normal_(0.0, std)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+                elif type(module).__name__.endswith("RMSNorm"):
+                    module.weight.fill_(1.0)
+
+
 def prepare(args, accelerator, stage, seed, zero_init=False):
     if zero_init:
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=accelerator.state.deepspeed_plugin.deepspeed_config):
             model = build_model(args, seed)
+        init_partitioned(model, seed)
     else:
         model = build_model(args, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -171,10 +194,16 @@ def scale_updates(accelerator):
     return [min(counts), max(counts)] if counts else None
 
 
+def tied(model) -> bool:
+    """Whether lm_head still shares the input embedding's weight (the model ties them)."""
+    inner = getattr(model, "module", model)
+    return inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
+
+
 def one_run(args, stage, run, shared_dir, zero_init=False):
     fresh()
     accelerator = make_accelerator(args, stage, run)
-    model, optimizer = prepare(args, accelerator, stage, seed=0, zero_init=zero_init)
+    model, optimizer = prepare(args, accelerator, stage, seed=args.seed, zero_init=zero_init)
     data = batches(args, accelerator)
     steps = args.zero_init_steps if zero_init else args.steps
     fp8 = getattr(accelerator, "fp8_engine", None) is not None
@@ -195,6 +224,7 @@ def one_run(args, stage, run, shared_dir, zero_init=False):
         "engine_class": type(model).__name__, "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "zero_stage": accelerator.state.deepspeed_plugin.zero_stage, "world_size": accelerator.num_processes,
         "mixed_precision": str(accelerator.mixed_precision), "zero_init": zero_init,
+        "tied": tied(model),
     }
     if fp8:
         coverage = accelerator.fp8_coverage()
@@ -228,7 +258,7 @@ def refusal(args, stage, run):
     fresh()
     try:
         accelerator = make_accelerator(args, stage, run)
-        prepare(args, accelerator, stage, seed=0)
+        prepare(args, accelerator, stage, seed=args.seed)
     except (ValueError, ImportError) as exc:
         return {"stage": stage, "run": run, "refused": f"{type(exc).__name__}: {exc}"}
     return {"stage": stage, "run": run, "refused": None}
