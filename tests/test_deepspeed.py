@@ -5,13 +5,13 @@ Skipped where DeepSpeed is not installed (pip install deepspeed; DS_BUILD_OPS=0 
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tests._subprocess import child_env
 
 pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed")
 
@@ -31,9 +31,7 @@ deepspeed_config:
 def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exactly(tmp_path):
     config = tmp_path / "launch.yaml"
     config.write_text(LAUNCH)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(DS_ACCELERATOR="cpu", FP8PLUG_DS_CKPT=str(tmp_path), HF_HOME=str(tmp_path / "hf"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env = child_env(tmp_path, DS_ACCELERATOR="cpu", FP8PLUG_DS_CKPT=str(tmp_path))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(WORKER),
            "--stages", "1,2,3", "--runs", "bf16,native", "--steps", str(STEPS), "--resume-steps", str(RESUME),

@@ -7,24 +7,19 @@ CPU config. No network: the Hugging Face hub is switched off.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
 def environment(tmp_path):
-    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["HF_HOME"] = str(tmp_path / "hf_home")  # no user accelerate config, no cached models
-    env["HF_HUB_OFFLINE"] = "1"  # a download attempt fails instead of reaching the network
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
+    return child_env(tmp_path)
 
 
 def run(tmp_path, args, timeout=180):

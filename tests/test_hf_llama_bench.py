@@ -4,7 +4,6 @@ a stated distance of bf16, and the synthetic task's loss floor is the one its ge
 
 import json
 import math
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "hf_llama.py"
@@ -26,8 +27,7 @@ LOSS_TOLERANCE_PCT = 2.0  # FP8 vs bf16 loss after STEPS steps (measured: within
 def toy_run(tmp_path_factory):
     """One parent run of five rows at the toy size on the CPU (about 25 s)."""
     out = tmp_path_factory.mktemp("hf_llama") / "toy.json"
-    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    env = child_env()
     rows = "bf16-eager,fp8plug-native-eager,accelerate-ao-noag-eager,accelerate-ao-eager,fp8plug-te-eager"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--preset", "toy", "--device", "cpu", "--rows", rows,

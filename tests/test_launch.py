@@ -8,12 +8,12 @@ names); these tests check that fp8plug.Accelerator reads them as the user meant.
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_accelerate.py"
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.slow
 
 def launch(tmp_path, launch_args, script_args=(), timeout=240):
     """Run `accelerate launch` and return (returncode, {rank: result}, combined output)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["HF_HOME"] = str(tmp_path / "hf_home")  # no user default_config.yaml
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(tmp_path, OMP_NUM_THREADS="1")
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(SCRIPT), *script_args,
            "--out", str(out)]

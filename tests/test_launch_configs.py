@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 
 from fp8plug import FP8RecipeKwargs
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -64,10 +65,7 @@ out.mkdir(exist_ok=True)
 def launch(tmp_path, config, order):
     script = tmp_path / "both.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(tmp_path, OMP_NUM_THREADS="1")
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), order, str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

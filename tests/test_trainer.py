@@ -14,10 +14,11 @@ import torch
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import fp8plug
-from tests._hf import VOCAB, fresh, tiny_llama
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends.native import NativeFP8Linear
 from fp8plug.transformers import FP8_STATE_NAME, FP8Trainer, FP8TrainerMixin
+from tests._hf import VOCAB, fresh, tiny_llama
+from tests._subprocess import child_env
 
 SEQ = 16
 
@@ -216,9 +217,7 @@ def test_two_cpu_processes_under_accelerate_launch(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)  # without FP8PLUG_*/ACCELERATE_* settings: tests/conftest.py
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
+    env = child_env(tmp_path, OMP_NUM_THREADS="1")
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(root / "examples" / "configs" / "cpu_ddp_fp8.yaml"), str(root / "examples" / "trainer_fp8.py"),

@@ -5,7 +5,6 @@ Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_accelerator_gpu.
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from fp8plug import FP8RecipeKwargs
 from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._hf import fresh
 from tests._training import tail_mean, train
+from tests._subprocess import child_env
 
 CFG = DecoderConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=512, max_seq_len=64)
 ENGINES = ["native", "ao", "te"]
@@ -149,9 +149,7 @@ def test_launch_with_the_one_gpu_example_config(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env = child_env(tmp_path)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(root / "examples" / "configs" / "gpu_fp8.yaml"), str(root / "examples" / "train_accelerate.py"),
            "--steps", "30", "--batch", "16", "--seq", "64", "--vocab", "256", "--dim", "128", "--ffn", "512",

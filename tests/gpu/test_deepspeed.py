@@ -10,7 +10,6 @@ With FP8PLUG_RECORD_DIR=<dir> each stage's summary is also written there as JSON
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import yaml
 
 from tests._record import record
+from tests._subprocess import child_env
 
 pytest.importorskip("deepspeed", reason="needs DeepSpeed (source .dskit/install.sh)")
 
@@ -37,10 +37,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 
 def launch(tmp_path, config: Path, worker_args, timeout=420):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["FP8PLUG_DS_CKPT"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = child_env(tmp_path, FP8PLUG_DS_CKPT=str(tmp_path))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(WORKER),
            *worker_args, "--out", str(out)]

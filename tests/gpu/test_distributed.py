@@ -7,7 +7,6 @@ With FP8PLUG_RECORD_DIR=<dir> each run's summary is also written there as JSON (
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 import yaml
 
 from tests._record import record
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_accelerate.py"
@@ -47,9 +47,7 @@ def write_config(tmp_path, mode, precision, backend=None) -> Path:
 
 
 def launch(tmp_path, config):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = child_env(tmp_path)
     out = tmp_path / f"results_{config.stem}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT), *TRAIN_ARGS,
            "--out", str(out)]

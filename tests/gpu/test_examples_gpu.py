@@ -6,12 +6,12 @@ Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_examples_gpu.py 
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -20,10 +20,7 @@ ENGINES = ["native", "ao", "te"]
 
 def run(tmp_path, name, *args, expect_ok=True, timeout=400):
     """Run examples/<name> on the GPU; return (parsed `result:` line or None, output)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env(tmp_path)
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), "--device", "cuda", *args], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests._subprocess import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200
@@ -168,9 +169,7 @@ def main(argv=None):
 
 def run(mode, tmp_path) -> dict:
     out = tmp_path / f"{mode}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["HF_HUB_OFFLINE"] = "1"
+    env = child_env()
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

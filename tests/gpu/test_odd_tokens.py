@@ -114,34 +114,27 @@ def test_odd_token_counts_run_fp8_and_equal_hand_padding(recipe, shape):
 @pytest.mark.parametrize("backend", ["ao", pytest.param("te", marks=needs_te)])
 def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(backend):
     transformers = pytest.importorskip("transformers")
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        config = transformers.LlamaConfig(
-            hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
-        )
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=backend)])
-        assert accelerator.fp8_backend == backend
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        assert accelerator.fp8_reports[0].fp8_linears and len(accelerator.fp8_reports[0].fp8_linears) == 15
-        gen = torch.Generator().manual_seed(0)
-        losses = []
-        for length in (31, 33, 7, 127, 31):
-            ids = torch.randint(0, 512, (3, length), generator=gen).to(accelerator.device)  # 93, 99, 21, 381 tokens
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        coverage = accelerator.fp8_coverage()
-        assert coverage["high_precision_gemms"] == 0 and coverage["fp8_gemms"] == 15 * 5
-        assert all(torch.isfinite(torch.tensor(losses)))
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=backend)])
+    assert accelerator.fp8_backend == backend
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert accelerator.fp8_reports[0].fp8_linears and len(accelerator.fp8_reports[0].fp8_linears) == 15
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for length in (31, 33, 7, 127, 31):
+        ids = torch.randint(0, 512, (3, length), generator=gen).to(accelerator.device)  # 93, 99, 21, 381 tokens
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    coverage = accelerator.fp8_coverage()
+    assert coverage["high_precision_gemms"] == 0 and coverage["fp8_gemms"] == 15 * 5
+    assert all(torch.isfinite(torch.tensor(losses)))

@@ -6,7 +6,6 @@ Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_trainer_gpu.py -
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._hf import fresh
+from tests._subprocess import child_env
 from tests.test_launch_configs import launch as launch_both
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +23,7 @@ ENGINES = ["native", "ao", "te"]
 
 
 def environment(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
+    return child_env(tmp_path)
 
 
 def check_against_bf16(result, backend):
@@ -50,20 +47,13 @@ def test_fp8_trainer_one_gpu(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", ENGINES)
-def test_resume_from_checkpoint_on_gpu(tmp_path, backend, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
-
+def test_resume_from_checkpoint_on_gpu(tmp_path, backend):
     from fp8plug import FP8RecipeKwargs
     from fp8plug.transformers import FP8Trainer
     from tests.test_trainer import Counting, arguments, losses, tiny_llama
 
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_"):
-            monkeypatch.delenv(name)
-
     def run(out, resume=None):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        fresh()  # two Trainers in one process
         args = arguments(out, use_cpu=False, max_steps=6, save_strategy="steps", save_steps=4)
         trainer = FP8Trainer(model=tiny_llama(seed=0 if resume is None else 7), args=args, train_dataset=Counting(12),
                              fp8_recipe=FP8RecipeKwargs(backend=backend, auto_filter=False))
