@@ -22,3 +22,20 @@ def fresh():
     """Forget accelerate's process-wide singletons, as a new process would."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def train_on_lengths(accelerator, model, optimizer, lengths, batch, vocab):
+    """One training step per sequence length in `lengths` (random tokens, a fixed seed), so that
+    token counts that are not multiples of 16 reach the FP8 GEMMs; returns the losses."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for length in lengths:
+        ids = torch.randint(0, vocab, (batch, length), generator=gen).to(accelerator.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

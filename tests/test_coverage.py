@@ -19,6 +19,7 @@ pytest.importorskip("torchao.float8")
 import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.coverage import COUNTS, fp8_coverage  # noqa: E402
+from tests._hf import train_on_lengths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +174,7 @@ def test_warning_when_no_linear_runs_in_fp8(caplog):
     assert not records(caplog, logging.INFO)
 
 
-def test_only_the_main_process_logs(caplog, monkeypatch, fresh_accelerate):  # no earlier Accelerator's state
+def test_only_the_main_process_logs(caplog, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # a launcher's second process, before torch.distributed starts
     with caplog.at_level(logging.INFO, logger="fp8plug"):
         fp8plug.convert_model(mlp(), recipe=ao())
@@ -219,18 +220,7 @@ def test_transformer_encoder_converts_its_linears_and_says_why_not_attention(cap
 # --- fp8plug.Accelerator ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def test_fp8_backend_names_the_engine_and_keeps_accelerates_fp8_off(fresh_accelerate, monkeypatch):
+def test_fp8_backend_names_the_engine_and_keeps_accelerates_fp8_off(monkeypatch):
     import accelerate
     from accelerate.utils.dataclasses import FP8BackendType
 
@@ -261,7 +251,7 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(fresh_accelerate, caplog):
+def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(caplog):
     """Dynamic padding gives lengths like 31: 8x31 tokens used to run with zero FP8 GEMMs."""
     acc = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[ao()])
     model = _tiny_llama()
@@ -271,20 +261,12 @@ def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(fresh_accelerate, caplog):
     (line,) = records(caplog, logging.INFO)
     assert "LlamaForCausalLM: 15 of 15 Linear layers run in FP8" in line
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for length in (31, 33, 7, 31):
-        ids = torch.randint(0, 128, (8, length), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_on_lengths(acc, model, optimizer, (31, 33, 7, 31), batch=8, vocab=128)
     coverage = acc.fp8_coverage()
     assert coverage["fp8_gemms"] == 15 * 4 and coverage["high_precision_gemms"] == 0
     assert coverage["layers"]["model.layers.0.self_attn.k_proj"] == (4, 0)
     model.eval()
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=torch.randint(0, 128, (8, 31)))
     assert acc.fp8_coverage(reset=True)["fp8_gemms"] == 60  # eval, in high precision, is not counted
     assert all(torch.isfinite(torch.tensor(losses)))

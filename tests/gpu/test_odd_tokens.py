@@ -16,6 +16,7 @@ from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
+from tests._hf import train_on_lengths
 from tests._numerics import rel_error, sqnr_db
 
 DEVICE, BF16 = "cuda", torch.bfloat16
@@ -126,15 +127,7 @@ def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(backend):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert accelerator.fp8_reports[0].fp8_linears and len(accelerator.fp8_reports[0].fp8_linears) == 15
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for length in (31, 33, 7, 127, 31):
-        ids = torch.randint(0, 512, (3, length), generator=gen).to(accelerator.device)  # 93, 99, 21, 381 tokens
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_on_lengths(accelerator, model, optimizer, (31, 33, 7, 127, 31), batch=3, vocab=512)  # 93, 99, 21, 381 tokens
     coverage = accelerator.fp8_coverage()
     assert coverage["high_precision_gemms"] == 0 and coverage["fp8_gemms"] == 15 * 5
     assert all(torch.isfinite(torch.tensor(losses)))
