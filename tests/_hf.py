@@ -1,5 +1,6 @@
 """What the Hugging Face tests share: a tiny tied-embedding Llama built from a config (no
-downloads), and a clean accelerate process state between tests."""
+downloads), a clean accelerate process state between tests, and a few training steps at odd
+sequence lengths."""
 
 from accelerate.state import AcceleratorState, GradientState
 
