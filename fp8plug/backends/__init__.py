@@ -174,11 +174,8 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     if requested is not None:
         verdict = selection.verdicts[requested]
         if not verdict.usable:
-            raise BackendUnavailableError(
-                f"FP8 backend {requested!r} ({verdict.title}) cannot run here: {verdict.reason}. "
-                f"Install it with `{_engine(requested).install_hint}`, or leave backend=None to "
-                "choose automatically.\n" + selection.explain()
-            )
+            raise _engine(requested).unavailable(
+                verdict.reason, ", or leave backend=None to choose automatically.\n" + selection.explain())
         selection.backend = _engine(requested)
         return selection
     for name in BACKENDS:

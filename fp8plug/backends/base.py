@@ -108,11 +108,16 @@ class Backend:
         how to install it. Engines return their imported package where they have one."""
         probe = self.probe()
         if not probe.available:
-            raise BackendUnavailableError(
-                f"FP8 backend {self.name!r} ({self.title}) cannot run here: {probe.reason}. "
-                f"Install it with `{self.install_hint}`."
-            )
+            raise self.unavailable(probe.reason)
         return None
+
+    def unavailable(self, reason: str, advice: str = ".") -> BackendUnavailableError:
+        """The error for this engine asked for where it cannot run: why, how to install it, and
+        `advice` after that."""
+        return BackendUnavailableError(
+            f"FP8 backend {self.name!r} ({self.title}) cannot run here: {reason}. "
+            f"Install it with `{self.install_hint}`{advice}"
+        )
 
     def check_recipe(self, recipe: "FP8RecipeKwargs") -> None:
         """Refuse, with a ValueError naming the field, a recipe this engine cannot honour; called
