@@ -10,8 +10,12 @@ engine under fp8plug.Accelerator. With --resume-steps K every FP8 run saves its 
 before the end, and afterwards a fresh Accelerator, model (other initial weights) and optimizer
 load it and train those last K steps again: the losses must be the same, loss for loss.
 --zero-init-runs repeats runs at stage 3 (--zero-init-steps long, no resume) with the model built
-inside deepspeed.zero.Init (partitioned at construction, as accelerate's zero3_init_flag does). --from-launch takes everything (mixed precision, engine,
-ZeRO stage) from the launch config instead, as a user's script would.
+inside deepspeed.zero.Init (partitioned at construction, as accelerate's zero3_init_flag does).
+--from-launch takes everything (mixed precision, engine, ZeRO stage) from the launch config
+instead, as a user's script would. The learning rate is held constant, through an LR scheduler
+that the checkpoint carries (--schedule linear: Trainer's warm-up and decay to zero). For
+studies (docs/distributed.md): --seeds repeats every run per initial weights, --recipe gives the
+FP8 runs more FP8RecipeKwargs fields (another TE scaling), and stage 0 runs them without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--stages", default="1,2,3", help="ZeRO stages; 0: the same runs without DeepSpeed")
     p.add_argument("--runs", default="bf16,native")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--resume-steps", type=int, default=0)
@@ -52,7 +56,11 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--zero-init-runs", default="", help="runs repeated at stage 3 with the model built under zero.Init")
     p.add_argument("--zero-init-steps", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0, help="the model's initial weights")
+    p.add_argument("--seeds", default="0", help="the model's initial weights: every run is repeated per seed")
+    p.add_argument("--recipe", default="{}", help="more FP8RecipeKwargs fields for the FP8 runs, as JSON")
+    p.add_argument("--schedule", choices=["constant", "linear"], default="constant",
+                   help="constant: lr throughout; linear: warm up over the first tenth, then decay "
+                        "to zero (transformers' get_linear_schedule_with_warmup, Trainer's default)")
     p.add_argument("--from-launch", action="store_true")
     p.add_argument("--refuse", default="", help="engines whose refusal to run is recorded instead")
     p.add_argument("--out", required=True)
@@ -64,7 +72,7 @@ def fresh():
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and "WORLD_SIZE" in os.environ:  # launched, on CPU
         # accelerate 1.15 picks no process-group backend on a machine without GPUs unless told
         # (cpu=True would turn DeepSpeed off); without one it counts a single process while
         # DeepSpeed runs two over gloo.
@@ -105,11 +113,11 @@ def make_accelerator(args, stage, run):
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.batch, train_batch_size=args.batch * world)
         return accelerator
-    plugin = ds_plugin(args, stage)
+    plugin = ds_plugin(args, stage) if stage else None  # stage 0: no DeepSpeed (the control)
     if run == "bf16":
         return accelerate.Accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
     return fp8plug.Accelerator(mixed_precision="fp8", deepspeed_plugin=plugin,
-                               kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend=run)])
+                               kwargs_handlers=[fp8plug.FP8RecipeKwargs(backend=run, **json.loads(args.recipe))])
 
 
 def init_partitioned(model, seed):
@@ -133,7 +141,15 @@ def init_partitioned(model, seed):
                     module.weight.fill_(1.0)
 
 
-def prepare(args, accelerator, stage, seed, zero_init=False):
+def schedule(args, optimizer, steps):
+    from transformers import get_constant_schedule, get_linear_schedule_with_warmup
+
+    if args.schedule == "constant":
+        return get_constant_schedule(optimizer)
+    return get_linear_schedule_with_warmup(optimizer, num_warmup_steps=max(1, steps // 10), num_training_steps=steps)
+
+
+def prepare(args, accelerator, stage, seed, steps, zero_init=False):
     if zero_init:
         import deepspeed
 
@@ -143,7 +159,7 @@ def prepare(args, accelerator, stage, seed, zero_init=False):
     else:
         model = build_model(args, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    return accelerator.prepare(model, optimizer)
+    return accelerator.prepare(model, optimizer, schedule(args, optimizer, steps))
 
 
 def batches(args, accelerator):
@@ -154,7 +170,7 @@ def batches(args, accelerator):
     return [b[rank * args.batch:(rank + 1) * args.batch].to(accelerator.device) for b in full]
 
 
-def train(accelerator, model, optimizer, data, start, stop, save_at=None, save_dir=None):
+def train(accelerator, model, optimizer, scheduler, data, start, stop, save_at=None, save_dir=None):
     """Steps start..stop-1; the per-step loss averaged over ranks (one collective at the end)."""
     model.train()
     losses = []
@@ -163,12 +179,13 @@ def train(accelerator, model, optimizer, data, start, stop, save_at=None, save_d
             accelerator.save_state(save_dir)
         out = model(input_ids=data[step], labels=data[step])
         accelerator.backward(out.loss)
+        if accelerator.state.deepspeed_plugin is None:  # DeepSpeed clips by its config
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
         losses.append(out.loss.detach().float())
-    stacked = torch.stack(losses)
-    dist.all_reduce(stacked)
-    return (stacked / dist.get_world_size()).tolist()
+    return accelerator.reduce(torch.stack(losses), "mean").tolist()
 
 
 def fp8_state_digest(accelerator):
@@ -183,6 +200,21 @@ def fp8_state_digest(accelerator):
                     sha.update(f"{fqn}.{name}".encode())
                     sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
+
+
+def scale_ranges(accelerator):
+    """Per scaling-state tensor name (TE's scale_fwd / scale_bwd, native's fp8_scale) and slot,
+    the [smallest, largest] scale over the converted layers at the end of the run: a slot stuck
+    at its initial 1.0 shows here."""
+    ranges = {}
+    for model in accelerator._fp8_models:
+        for entry in accelerator.fp8_engine.fp8_state(model).values():
+            for name, value in entry.items():
+                if "scale" in name and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    for slot, v in enumerate(value.flatten().tolist()):
+                        low, high = ranges.get(f"{name}[{slot}]", (v, v))
+                        ranges[f"{name}[{slot}]"] = (min(low, v), max(high, v))
+    return {k: [float(f"{low:.4g}"), float(f"{high:.4g}")] for k, (low, high) in sorted(ranges.items())}
 
 
 def scale_updates(accelerator):
@@ -200,12 +232,12 @@ def tied(model) -> bool:
     return inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
 
 
-def one_run(args, stage, run, shared_dir, zero_init=False):
+def one_run(args, stage, run, seed, shared_dir, zero_init=False):
     fresh()
     accelerator = make_accelerator(args, stage, run)
-    model, optimizer = prepare(args, accelerator, stage, seed=args.seed, zero_init=zero_init)
-    data = batches(args, accelerator)
     steps = args.zero_init_steps if zero_init else args.steps
+    model, optimizer, scheduler = prepare(args, accelerator, stage, seed, steps, zero_init=zero_init)
+    data = batches(args, accelerator)
     fp8 = getattr(accelerator, "fp8_engine", None) is not None
     save_at = args.steps - args.resume_steps if (args.resume_steps and fp8 and not zero_init) else None
     save_dir = os.path.join(shared_dir, f"ckpt_{stage}_{run}")
@@ -214,15 +246,15 @@ def one_run(args, stage, run, shared_dir, zero_init=False):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    losses = train(accelerator, model, optimizer, data, 0, steps, save_at, save_dir)
+    losses = train(accelerator, model, optimizer, scheduler, data, 0, steps, save_at, save_dir)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     result = {
-        "stage": stage, "run": run, "losses": losses, "seconds": seconds,
+        "stage": stage, "run": run, "seed": seed, "losses": losses, "seconds": seconds,
         "tokens_per_s": steps * args.batch * args.seq * accelerator.num_processes / seconds,
         "engine_class": type(model).__name__, "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-        "zero_stage": accelerator.state.deepspeed_plugin.zero_stage, "world_size": accelerator.num_processes,
+        "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0), "world_size": accelerator.num_processes,
         "mixed_precision": str(accelerator.mixed_precision), "zero_init": zero_init,
         "tied": tied(model),
     }
@@ -230,8 +262,8 @@ def one_run(args, stage, run, shared_dir, zero_init=False):
         coverage = accelerator.fp8_coverage()
         result.update(engine=accelerator.fp8_engine.name, converted=len(accelerator.fp8_reports[0].converted),
                       fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(accelerator),
-                      scale_updates=scale_updates(accelerator))
-    del model, optimizer
+                      scale_updates=scale_updates(accelerator), scales=scale_ranges(accelerator))
+    del model, optimizer, scheduler
     accelerator.free_memory()
     if save_at is not None:
         result["resumed_losses"] = resume(args, stage, run, data, save_at, save_dir)
@@ -246,10 +278,11 @@ def one_run(args, stage, run, shared_dir, zero_init=False):
 def resume(args, stage, run, data, save_at, save_dir):
     fresh()
     accelerator = make_accelerator(args, stage, run)
-    model, optimizer = prepare(args, accelerator, stage, seed=123)  # other weights: they must come from the checkpoint
+    # other weights (and a fresh schedule): weights, optimizer and lr schedule must come from the checkpoint
+    model, optimizer, scheduler = prepare(args, accelerator, stage, 123, args.steps)
     accelerator.load_state(save_dir)
-    losses = train(accelerator, model, optimizer, data, save_at, args.steps)
-    del model, optimizer
+    losses = train(accelerator, model, optimizer, scheduler, data, save_at, args.steps)
+    del model, optimizer, scheduler
     accelerator.free_memory()
     return losses
 
@@ -258,7 +291,7 @@ def refusal(args, stage, run):
     fresh()
     try:
         accelerator = make_accelerator(args, stage, run)
-        prepare(args, accelerator, stage, seed=args.seed)
+        prepare(args, accelerator, stage, 0, args.steps)
     except (ValueError, ImportError) as exc:
         return {"stage": stage, "run": run, "refused": f"{type(exc).__name__}: {exc}"}
     return {"stage": stage, "run": run, "refused": None}
@@ -286,13 +319,17 @@ def main():
             from fp8plug.backends import get_backend
 
             get_backend("te").probe()
+        seeds = [int(s) for s in args.seeds.split(",")]
+        for seed in seeds:
+            for stage in stages:
+                for run in runs:
+                    results.append(one_run(args, stage, run, seed, shared_dir))
         for stage in stages:
-            for run in runs:
-                results.append(one_run(args, stage, run, shared_dir))
             for run in refuse:
                 results.append(refusal(args, stage, run))
-        for run in [r for r in args.zero_init_runs.split(",") if r]:
-            results.append(one_run(args, 3, run, shared_dir, zero_init=True))
+        for seed in seeds:
+            for run in [r for r in args.zero_init_runs.split(",") if r]:
+                results.append(one_run(args, 3, run, seed, shared_dir, zero_init=True))
     except Exception:  # noqa: BLE001 - reported to the test, which shows it
         error = traceback.format_exc()
     rank = dist.get_rank() if dist.is_initialized() else 0
