@@ -1,8 +1,9 @@
 """Two GPUs under DeepSpeed ZeRO 1, 2 and 3: fp8plug's te, ao and native engines each train a small
 transformers Llama for 200 steps to within 1% of bf16 under the same stage (te: at most 1% above,
-see BELOW_BF16_OK); save_state/load_state resume loss for loss; models built under deepspeed.zero.Init train too; and the shipped launch
-config (examples/configs/2gpu_deepspeed_fp8.yaml) runs. Skipped unless two sm_89+ GPUs and
-DeepSpeed are there (device kind nvidia-h200-x2, kits .gpu and .dskit).
+see BELOW_BF16_OK); save_state/load_state resume loss for loss; models built under
+deepspeed.zero.Init train too; and the shipped launch config (examples/configs/2gpu_deepspeed_fp8.yaml)
+runs. Skipped unless two sm_89+ GPUs and DeepSpeed are there (device kind nvidia-h200-x2, kits .gpu
+and .dskit).
 
 One `accelerate launch` per ZeRO stage trains bf16 and every engine in turn (tests/_deepspeed_worker.py).
 Run: source .gpu/install.sh && source .dskit/install.sh && python3 -m pytest tests/gpu/test_deepspeed.py -q -x -rs
