@@ -188,41 +188,41 @@ def train(accelerator, model, optimizer, scheduler, data, start, stop, save_at=N
     return accelerator.reduce(torch.stack(losses), "mean").tolist()
 
 
-def fp8_state_digest(accelerator):
-    engine = getattr(accelerator, "fp8_engine", None)
-    if engine is None:
-        return None
+def fp8_entries(accelerator):
+    """Every converted layer's FP8 state as (name, entry), by name, read once at the end of a run
+    for the digest, the scale ranges and the update counts below."""
+    return [item for model in accelerator._fp8_models
+            for item in sorted(accelerator.fp8_engine.fp8_state(model).items())]
+
+
+def fp8_state_digest(entries):
     sha = hashlib.sha256()
-    for model in accelerator._fp8_models:
-        for fqn, entry in sorted(engine.fp8_state(model).items()):
-            for name, value in sorted(entry.items()):
-                if isinstance(value, torch.Tensor):
-                    sha.update(f"{fqn}.{name}".encode())
-                    sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for fqn, entry in entries:
+        for name, value in sorted(entry.items()):
+            if isinstance(value, torch.Tensor):
+                sha.update(f"{fqn}.{name}".encode())
+                sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
 
 
-def scale_ranges(accelerator):
+def scale_ranges(entries):
     """Per scaling-state tensor name (TE's scale_fwd / scale_bwd, native's fp8_scale) and slot,
     the [smallest, largest] scale over the converted layers at the end of the run: a slot stuck
     at its initial 1.0 shows here."""
     ranges = {}
-    for model in accelerator._fp8_models:
-        for entry in accelerator.fp8_engine.fp8_state(model).values():
-            for name, value in entry.items():
-                if "scale" in name and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    for slot, v in enumerate(value.flatten().tolist()):
-                        low, high = ranges.get(f"{name}[{slot}]", (v, v))
-                        ranges[f"{name}[{slot}]"] = (min(low, v), max(high, v))
+    for _, entry in entries:
+        for name, value in entry.items():
+            if "scale" in name and isinstance(value, torch.Tensor) and value.is_floating_point():
+                for slot, v in enumerate(value.flatten().tolist()):
+                    low, high = ranges.get(f"{name}[{slot}]", (v, v))
+                    ranges[f"{name}[{slot}]"] = (min(low, v), max(high, v))
     return {k: [float(f"{low:.4g}"), float(f"{high:.4g}")] for k, (low, high) in sorted(ranges.items())}
 
 
-def scale_updates(accelerator):
+def scale_updates(entries):
     """(fewest, most) end-of-step scale updates over the converted layers' slots, where the
     engine's FP8 state counts them (native's fp8_step); None elsewhere."""
-    counts = [int(v) for model in accelerator._fp8_models
-              for entry in accelerator.fp8_engine.fp8_state(model).values()
-              for v in entry.get("fp8_step", torch.empty(0)).flatten().tolist()]
+    counts = [int(v) for _, entry in entries for v in entry.get("fp8_step", torch.empty(0)).flatten().tolist()]
     return [min(counts), max(counts)] if counts else None
 
 
@@ -259,10 +259,10 @@ def one_run(args, stage, run, seed, shared_dir, zero_init=False):
         "tied": tied(model),
     }
     if fp8:
-        coverage = accelerator.fp8_coverage()
+        coverage, entries = accelerator.fp8_coverage(), fp8_entries(accelerator)
         result.update(engine=accelerator.fp8_engine.name, converted=len(accelerator.fp8_reports[0].converted),
-                      fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(accelerator),
-                      scale_updates=scale_updates(accelerator), scales=scale_ranges(accelerator))
+                      fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(entries),
+                      scale_updates=scale_updates(entries), scales=scale_ranges(entries))
     del model, optimizer, scheduler
     accelerator.free_memory()
     if save_at is not None:
