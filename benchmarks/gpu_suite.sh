@@ -2,8 +2,9 @@
 # The GPU runs behind docs/performance.md and the GPU claims in docs/, on an H100/H200 with the
 # .gpu kit (see DEVELOPERS notes): `bash benchmarks/gpu_suite.sh STAGE... ` with $OUT set.
 # Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
-# profile (top kernels), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter
-# is calibrated on), train (probe-model training step), train-1b (the 1b model, filter on and off),
+# profile (GPU time per kernel, GEMMs against casts, every engine), cast (the one-pass cast's
+# tiles), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter is calibrated
+# on), train (probe-model training step), train-1b (the 1b model, filter on and off),
 # sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests),
 # llama-a, llama-b, llama-c (benchmarks/hf_llama.py, the Hugging Face Llama table of issue 15, in
 # three parts of under 9 minutes each; `llama` runs all three and merges them, about 25 minutes).
@@ -27,7 +28,8 @@ for stage in "$@"; do
     tests) python3 -m pytest tests/gpu -q -m "not slow" -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tests-all) python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     linear) python3 benchmarks/native_linear.py --json "$OUT/native_linear.json" 2>&1 | grep '^|\|device' ;;
-    profile) (cd benchmarks && python3 profile_linear.py --variant native-delayed,native-dynamic --rows 8) 2>&1 | grep -v Warning | tee "$OUT/profile.log" | cut -c1-150 ;;
+    profile) (cd benchmarks && python3 profile_linear.py --engines native:dynamic,native:delayed,te:delayed,fp8-gemm --json "$OUT/profile.json") 2>&1 | grep -v Warning | tee "$OUT/profile.log" | grep "^==" ;;
+    cast) python3 benchmarks/fused_cast_tiles.py --json "$OUT/fused_cast_tiles.json" 2>&1 | tail -8 ;;
     bench) python3 -m fp8plug.bench --no-progress --engines native:dynamic,native:delayed,ao,te:delayed,te:current,fp8-gemm --modes compiled --json "$OUT/bench.json" --csv "$OUT/bench.csv" 2>&1 | tail -40 ;;
     train) python3 benchmarks/train_step.py --model probe --engines native,ao --timeout 200 --out "$OUT/probe_native_ao" 2>&1 | tail -12
            python3 benchmarks/train_step.py --model probe --engines te --timeout 200 --out "$OUT/probe_te" 2>&1 | tail -8 ;;

@@ -278,7 +278,7 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         out["memory"] = dict(memory_at_peak(), after_prepare_gb=round(prepared_gb, 3))
         if profile:
-            out["profile"] = profile_steps(lambda: step(steps - 1), profile)
+            out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
     else:
         ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
     out["step_ms"] = statistics.median(ms[warmup:])

@@ -1,42 +1,72 @@
-"""Where a compiled FP8 Linear's forward+backward spends its GPU time: the top kernels by CUDA
-time for one shape and variant (native-dynamic, native-delayed, torchao-tensorwise, bf16).
+"""Where one Linear's forward+backward spends its GPU time, engine by engine: the GEMMs (by kernel,
+with the tile cuBLAS chose) against everything else (casts, amaxes, transposes), per iteration.
 
-    python3 benchmarks/profile_linear.py --shape 16384x8192x8192 --variant native-dynamic
+It runs the very cases `fp8plug bench` times (fp8plug.bench.cases: bf16, every engine with a
+scaling, the bare FP8 GEMMs), so a gap in the bench's table can be split into "slower GEMMs" and
+"more cast work" here.
+
+    python3 benchmarks/profile_linear.py --shapes 16384x8192x8192 --engines native:delayed,te:delayed,fp8-gemm
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
-from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
-from native_linear import variants
+from fp8plug.bench import BF16, GEMM_BOUND, parse_shapes, resolve_engines
+from fp8plug.bench.cases import EngineSpec, gemm_bound_case, linear_case
+from fp8plug.hardware import device_info
+from step_profile import profile_steps
+
+
+def profile_case(spec: EngineSpec, shape, mode: str, device, iterations: int) -> dict:
+    """GPU ms per iteration by kernel group, and the GEMM kernels and the other top kernels."""
+    torch._dynamo.reset()
+    if spec.label == GEMM_BOUND:
+        step, reset = gemm_bound_case(shape, mode, device)
+    else:
+        step, reset = linear_case(spec, shape, mode, device)
+
+    def iteration():
+        reset()
+        step()
+
+    for _ in range(5):
+        iteration()
+    result = profile_steps(iteration, iterations, top=12)
+    groups = result["groups_ms"]
+    result["gemm_ms"] = round(groups.get("gemm", 0.0) + groups.get("gemm-fp8", 0.0), 3)
+    result["other_ms"] = round(result["gpu_ms_per_step"] - result["gemm_ms"], 3)
+    return result
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="16384x8192x8192")
-    parser.add_argument("--variant", default="native-dynamic")
-    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--shapes", default="llama70b", help="a preset (llama70b) or MxKxN,...")
+    parser.add_argument("--engines", default="native:dynamic,native:delayed,te:delayed,fp8-gemm")
+    parser.add_argument("--mode", default="compiled", choices=("eager", "compiled"))
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    m, k, n = (int(v) for v in args.shape.split("x"))
-    base = nn.Sequential(nn.Linear(k, n, bias=False)).cuda().bfloat16()
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for variant in args.variant.split(","):
-        torch._dynamo.reset()
-        (name, module), = list(variants(base, [variant]))
-        for _ in range(5):
-            module(x).backward(grad)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                module(x).backward(grad)
-            torch.cuda.synchronize()
-        print(f"== {name} {args.shape} (5 iterations)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    device = torch.device("cuda")
+    specs, unavailable = resolve_engines(args.engines, device_info(device))
+    if unavailable:
+        raise SystemExit(f"--engines: cannot run here: {unavailable}")
+    rows = []
+    for shape in parse_shapes(args.shapes):
+        label = "x".join(map(str, shape))
+        for spec in [EngineSpec(BF16)] + specs:
+            result = profile_case(spec, shape, args.mode, device, args.iterations)
+            rows.append(dict(shape=label, engine=spec.label, mode=args.mode, **result))
+            print(f"== {label} {spec.label}: {result['gpu_ms_per_step']:.3f} ms GPU per iteration, "
+                  f"GEMMs {result['gemm_ms']:.3f}, other {result['other_ms']:.3f}", flush=True)
+            for kernel in result["top"]:
+                print(f"   {kernel['ms']:7.3f} ms x{kernel['calls']:<4} {kernel['group']:9} {kernel['name'][:100]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

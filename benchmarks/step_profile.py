@@ -7,21 +7,32 @@ attention, the optimizer, inductor's fused kernels (casts, norms, amax), everyth
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
-# kernel-name fragments -> group; the first group whose fragment occurs in the name wins
+# kernel-name fragments -> group; the first group whose fragment occurs in the name wins.
+# Attention comes first: cuDNN's fused attention kernels carry "sm90_" and "wgmma" like GEMMs.
+# Inductor's kernels stay "triton" whatever they fuse; hand-written FP8 casts (TransformerEngine's,
+# fp8plug's fused_cast) are "cast", before the FP8 type names would call them GEMMs.
 GROUPS = (
-    ("gemm-fp8", ("e4m3", "e5m2", "f8f8", "fp8", "qqtst", "qqtnt", "qqnnt")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("triton", ("triton",)),
+    ("cast", ("cast_transpose", "cast_both_layouts", "amax_unless_scaled", "amax_kernel")),
+    ("gemm-fp8", ("e4m3", "e5m2", "f8f8", "fp8")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("copy", ("copy", "cat", "fill", "memset", "memcpy")),
 )
+# cuBLAS's nvjet kernels name their operand types after "nvjet_sm90_": q is e4m3, r e5m2 (t bf16,
+# s float32), so "qqtst" and "qrsss" are FP8 GEMMs and "tst" a bf16 one.
+_NVJET_TYPES = re.compile(r"nvjet_sm\d+_([a-z]+)_")
 
 
 def group_of(name: str) -> str:
     low = name.lower()
+    types = _NVJET_TYPES.search(low)
+    if types:
+        return "gemm-fp8" if types.group(1)[:1] in ("q", "r") else "gemm"
     for group, parts in GROUPS:
         if any(part in low for part in parts):
             return group

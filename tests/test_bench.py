@@ -230,3 +230,41 @@ def test_timing_option():
     calls = []
     assert Timer(torch.device("cpu"), 1, 3, "synced")(lambda: calls.append("step"), lambda: calls.append("reset")) >= 0
     assert calls == ["reset", "step"] * 4
+
+
+def test_a_delayed_case_runs_its_scaling_update_like_training():
+    """The bench times what a training step does: with delayed scaling the end-of-step update
+    runs after each backward, so the timed steps cast with the scales it sets (not the first
+    step's fallback forever, which was what native:delayed had measured)."""
+    from fp8plug.backends.native import NativeFP8Linear
+    from fp8plug.bench.cases import EngineSpec, linear_case
+
+    step, reset = linear_case(EngineSpec("native:delayed", "native", "delayed"), (32, 32, 32), "eager",
+                              torch.device("cpu"))
+    for _ in range(3):
+        reset()
+        step()
+    from fp8plug.backends import native
+
+    # the case's model is tracked for the end-of-step update like any converted model
+    layers = [m for model in native._TRACKED for m in model.modules() if isinstance(m, NativeFP8Linear)]
+    assert layers and int(layers[-1].fp8_step.min()) == 3
+
+
+def test_step_profile_groups_kernels_by_what_they_do():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_profile import group_of
+    finally:
+        sys.path.pop(0)
+    # cuBLAS names operand types after nvjet_sm90_: q e4m3, r e5m2, t bf16, s float32
+    assert group_of("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "gemm-fp8"
+    assert group_of("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN") == "gemm-fp8"
+    assert group_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    # cuDNN's attention kernels carry "sm90_" like GEMMs, and are attention
+    assert group_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert group_of("cast_transpose_optimized_kernel(__nv_bfloat16 const*, __nv_fp8_e4m3*)") == "cast"
+    assert group_of("cast_both_layouts") == "cast"
+    assert group_of("sm90_xmma_gemm_e4m3e4m3_bf16") == "gemm-fp8"
+    assert group_of("triton_poi_fused__to_copy_4") == "triton"
+    assert group_of("void at::native::multi_tensor_apply_kernel<FusedOptimizer>") == "optimizer"

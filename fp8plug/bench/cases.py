@@ -116,7 +116,7 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16))
     model.train()
-    autocast = None
+    autocast = engine = None
     if spec.backend is not None:
         from ..backends import get_backend
         from ..recipe import FP8RecipeKwargs
@@ -151,6 +151,8 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
             with autocast():
                 y = fn(x)
         y.backward(grad_out)
+        if engine is not None:  # the end of a training step: delayed scaling's update (as the
+            engine.sync_scaling([model])  # optimizer step hook runs it; TE does it in autocast)
 
     return step, reset
 

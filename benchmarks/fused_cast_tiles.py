@@ -1,0 +1,62 @@
+"""How fast the one-pass FP8 cast (fp8plug.backends.fused_cast) runs per tile shape, in GB/s of
+memory traffic (read the tensor once, write it twice in FP8), against torch ops under
+torch.compile doing the same cast with the amax pass a dynamic scale needs. Picks
+fused_cast.TILE.
+
+    python3 benchmarks/fused_cast_tiles.py --shapes 16384x8192,16384x57344,8192x14336
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from fp8plug.backends import fused_cast
+from fp8plug.bench import Timer
+from fp8plug.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
+
+TILES = [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8)]
+
+
+def gpu_ms(fn):
+    """The GPU's own time for one call: calls queued behind a GPU sleep (fp8plug bench's timing),
+    so the host's cost of issuing a custom op does not count."""
+    return Timer(torch.device("cuda"), warmup=3, repeats=20, timing="queued")(fn, lambda: None)
+
+
+@torch.compile
+def torch_cast(t):
+    scale = scale_from_amax(t.abs().amax(dim=-1).amax().float(), FP8_MAX[E4M3])
+    t_fp8 = quantize(t, scale, E4M3)
+    return t_fp8, t_fp8.t().contiguous()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="16384x8192,16384x10240,16384x28672,16384x57344,8192x4096,4096x14336")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    scale, scaled = torch.tensor(3.0, device="cuda"), torch.tensor(True, device="cuda")
+    for text in args.shapes.split(","):
+        m, n = (int(v) for v in text.split("x"))
+        t = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        traffic = t.numel() * (2 + 1 + 1)
+        row = dict(shape=text, torch_compiled_ms=gpu_ms(lambda: torch_cast(t)))
+        for tile in TILES:
+            fused_cast.TILE = tile
+            row["x".join(map(str, tile))] = gpu_ms(lambda: fused_cast.cast_transpose(t, scale, scaled, E4M3, 0))
+        best = min((k for k in row if k[0].isdigit()), key=row.get)
+        rows.append(row)
+        print(f"{text}: torch compiled {row['torch_compiled_ms']:.3f} ms ({traffic / row['torch_compiled_ms'] / 1e6:.0f} GB/s); "
+              + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k[0].isdigit())
+              + f"; best {best} ({traffic / row[best] / 1e6:.0f} GB/s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""One-pass FP8 cast for delayed scaling on CUDA: both layouts and the amax from one read.
+
+Why: an FP8 Linear needs each operand in FP8 twice, as is and transposed (Hopper's FP8 GEMMs take
+the reduced dimension contiguous on both sides, so backward wants the transposed copies). With
+delayed scaling the scale is known before the tensor is read, so a single pass can cast, write
+both layouts and find the amax for the next step, as TransformerEngine's cast-transpose kernels
+do. In plain torch ops the scale of a delayed slot still depends on the current amax (the
+first-step fallback, a tensor `where` so a compiled model never recompiles), so the compiler must
+finish an amax pass before the cast: two reads, and at the LLaMa-2-70B shapes on an H100 that
+left the native engine 5-7% behind TransformerEngine with the very same GEMMs
+(docs/performance.md). Here the first-step fallback is decided on the GPU instead: the amax pass
+runs only while the slot has no scale yet, and returns at once afterwards.
+
+`cast_transpose` is a torch custom op (torch.library.triton_op), so it also compiles. The native
+engine uses it for delayed slots of CUDA tensors in eager execution, where each torch op would be
+its own pass over the tensor; under torch.compile, and on the CPU or without Triton, it casts with
+torch ops (fp8plug.scaling), which give the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ..scaling import FP8_MAX, scale_from_amax
+
+# The cast-transpose kernel's tile (rows, columns) and warps, and the amax pass's block.
+TILE = (64, 128, 4)
+_AMAX_BLOCK = 8192
+
+
+_READY = False  # whether load() built the op (a plain bool: torch.compile reads it as a constant)
+_LOADED = []  # load() has run in this process
+
+
+def load() -> bool:
+    """Build the custom op once per process where it can run (CUDA, Triton, torch's
+    triton_op); whether it is there. Called when a delayed-scaling layer is set up, outside
+    torch.compile, so that the compiled forward only reads a flag."""
+    global _READY
+    if not _LOADED:
+        _LOADED.append(True)
+        if _can_build():
+            _build()
+            _READY = True
+    return _READY
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the fused cast runs on `t`: a 2-D CUDA tensor, the op built, and no torch.compile
+    tracing. Under torch.compile the torch-op cast is kept: the compiler fuses it into the kernel
+    that makes the tensor (a norm, an activation), and on a whole Hugging Face Llama that was
+    faster and 1.2 GB lighter than this op (docs/performance.md)."""
+    return _READY and t.is_cuda and t.dim() == 2 and not torch.compiler.is_compiling()
+
+
+def cast_transpose(t: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
+                   margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(t in FP8, its transpose in FP8 and contiguous, max |t|, the scale used) for a delayed slot.
+
+    The scale is `prev_scale` where `use_prev` (a bool tensor: the slot has had an update) and
+    otherwise t's own amax's (TransformerEngine's formula with `margin`), as in
+    NativeFP8Linear's torch path. max |t| is NaN if t holds a NaN. Needs `usable(t)`."""
+    return torch.ops.fp8plug.cast_transpose(t.contiguous(), prev_scale.reshape(1).float(), use_prev.reshape(1),
+                                            dtype, margin)
+
+
+def _can_build() -> bool:
+    if not torch.cuda.is_available() or not hasattr(torch.library, "triton_op"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _build():
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    @triton.jit
+    def amax_unless_scaled(x_ptr, numel, use_prev_ptr, partial_ptr, BLOCK: tl.constexpr):
+        """Per-block max |x| (NaN if the block holds one), or 0 at once once the slot is scaled."""
+        pid = tl.program_id(0)
+        if tl.load(use_prev_ptr) != 0:
+            tl.store(partial_ptr + pid, 0.0)
+            return
+        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.abs(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32))
+        nan = tl.max((x != x).to(tl.int32), axis=0)
+        tl.store(partial_ptr + pid, tl.where(nan > 0, float("nan"), tl.max(x, axis=0)))
+
+    @triton.jit
+    def cast_both_layouts(x_ptr, scale_ptr, y_ptr, yt_ptr, partial_ptr, M, N, FP8_LIMIT: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr):
+        """y = saturate(x * scale) in FP8, written row-major and transposed; per-tile max |x|."""
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = pm.to(tl.int64) * BM + tl.arange(0, BM)
+        cols = pn.to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr)
+        y = tl.clamp(x * scale, -FP8_LIMIT, FP8_LIMIT).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+        # The transposed tile is loaded again in its own order (the tile is in cache by now) rather
+        # than transposed with tl.trans, which gave wrong tiles for float32 input on an H100
+        # (Triton 3.6); Triton moves the data between the two layouts itself.
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+        x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+        y_t = tl.clamp(x_t * scale, -FP8_LIMIT, FP8_LIMIT).to(yt_ptr.dtype.element_ty)
+        tl.store(yt_ptr + cols[:, None] * M + rows[None, :], y_t, mask=mask_t)
+        a = tl.abs(x)
+        nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
+        tile_max = tl.max(tl.max(a, axis=1), axis=0)
+        tl.store(partial_ptr + pm * tl.num_programs(1) + pn, tl.where(nan > 0, float("nan"), tile_max))
+
+    @triton_op("fp8plug::cast_transpose", mutates_args={})
+    def op(x: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
+           margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        m, n = x.shape
+        limit = FP8_MAX[dtype]
+        first = torch.empty(triton.cdiv(x.numel(), _AMAX_BLOCK), device=x.device, dtype=torch.float32)
+        flag = use_prev.to(torch.int32)
+        wrap_triton(amax_unless_scaled)[(first.numel(),)](x, x.numel(), flag, first, BLOCK=_AMAX_BLOCK,
+                                                         num_warps=8)
+        scale = torch.where(use_prev, prev_scale, scale_from_amax(first.amax(), limit, margin))
+        y = torch.empty((m, n), device=x.device, dtype=dtype)
+        yt = torch.empty((n, m), device=x.device, dtype=dtype)
+        bm, bn, warps = TILE
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        tiles = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.float32)
+        wrap_triton(cast_both_layouts)[grid](x, scale, y, yt, tiles, m, n, FP8_LIMIT=limit, BM=bm, BN=bn,
+                                             num_warps=warps)
+        return y, yt, tiles.amax(), scale.reshape(())
+
+    return op
