@@ -1,4 +1,4 @@
-"""How fast the one-pass FP8 cast (fp8plug.backends.fused_cast) runs per tile shape, in GB/s of
+"""How fast the one-pass FP8 cast (fp8plug.backends._fused_cast) runs per tile shape, in GB/s of
 memory traffic (read the tensor once, write it twice in FP8), against torch ops under
 torch.compile doing the same cast with the amax pass a dynamic scale needs. Picks
 fused_cast.TILE.
@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from fp8plug.backends import fused_cast
+from fp8plug.backends import _fused_cast as fused_cast
 from fp8plug.bench import Timer
 from fp8plug.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
 

@@ -40,7 +40,7 @@ from ..scaling import (
     scale_from_amax,
     write_back,
 )
-from . import fused_cast
+from . import _fused_cast as fused_cast
 from .base import Backend, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
@@ -119,7 +119,7 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
     (a bool tensor: the slot has had an update), else t's own amax's with `margin`; the choice is
     a tensor `where`, not a Python branch, so a compiled model keeps one graph from its first step
     on. A delayed slot of a CUDA tensor in eager execution is cast in one pass
-    (backends.fused_cast); everything else with torch ops, which torch.compile fuses with the ops
+    (backends._fused_cast); everything else with torch ops, which torch.compile fuses with the ops
     around them."""
     t = t.detach()
     if delayed and fused_cast.usable(t):

@@ -1,4 +1,4 @@
-"""The one-pass FP8 cast of delayed slots (fp8plug.backends.fused_cast) against the torch ops it
+"""The one-pass FP8 cast of delayed slots (fp8plug.backends._fused_cast) against the torch ops it
 replaces: the same FP8 bytes in both layouts, the same scale (the previous one once the slot has
 an update, the current amax's before), the same amax (NaN included), eager and compiled, and a
 NativeFP8Linear whose delayed slots take this path matching one that casts with torch ops."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8plug.backends import fused_cast
+from fp8plug.backends import _fused_cast as fused_cast
 from fp8plug.backends.native import NativeFP8Linear
 from fp8plug.scaling import E4M3, E5M2, FP8_MAX, quantize, scale_from_amax
 
