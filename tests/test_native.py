@@ -251,3 +251,13 @@ def test_conversion_keeps_parameters_and_state_dict():
     model.load_state_dict(plain_state, strict=True)  # a plain checkpoint loads into the converted model
     fp8plug.unconvert_model(model)
     assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, plain_state["0.weight"])
+
+
+def test_cpu_tensors_never_take_the_triton_cast():
+    """The one-pass cast is for CUDA tensors only; on the CPU the layer casts with torch ops, and
+    building the op where there is no GPU is a no-op, not an import of Triton."""
+    from fp8plug.backends import _fused_cast
+
+    ready = _fused_cast.load()
+    assert ready == (torch.cuda.is_available() and _fused_cast._can_build())
+    assert not _fused_cast.usable(torch.zeros(16, 16))

@@ -6,8 +6,8 @@ delayed scaling the scale is known before the tensor is read, so a single pass c
 both layouts and find the amax for the next step, as TransformerEngine's cast-transpose kernels
 do. In plain torch ops the scale of a delayed slot still depends on the current amax (the
 first-step fallback, a tensor `where` so a compiled model never recompiles), so the compiler must
-finish an amax pass before the cast: two reads, and at the LLaMa-2-70B shapes on an H100 that
-left the native engine 5-7% behind TransformerEngine with the very same GEMMs
+finish an amax pass before the cast: two reads, and at three of the four LLaMa-2-70B shapes on
+an H100 that left the native engine 5-7% behind TransformerEngine with the very same GEMMs
 (docs/performance.md). Here the first-step fallback is decided on the GPU instead: the amax pass
 runs only while the slot has no scale yet, and returns at once afterwards.
 
@@ -77,6 +77,7 @@ def _can_build() -> bool:
 
 
 def _build():
+    """Define the two Triton kernels and register the op (torch.ops.fp8plug.cast_transpose)."""
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
