@@ -151,8 +151,10 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
             with autocast():
                 y = fn(x)
         y.backward(grad_out)
-        if engine is not None:  # the end of a training step: delayed scaling's update (as the
-            engine.sync_scaling([model])  # optimizer step hook runs it; TE does it in autocast)
+        if engine is not None:
+            # the end of a training step: delayed scaling's update, which the optimizer step hook
+            # runs in training (TransformerEngine runs its own when its autocast exits)
+            engine.sync_scaling([model])
 
     return step, reset
 
