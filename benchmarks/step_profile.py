@@ -15,7 +15,7 @@ from typing import Callable
 # Inductor's kernels stay "triton" whatever they fuse; hand-written FP8 casts (TransformerEngine's,
 # fp8plug's fused_cast) are "cast", before the FP8 type names would call them GEMMs.
 GROUPS = (
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("triton", ("triton",)),
     ("cast", ("cast_transpose", "cast_both_layouts", "amax_unless_scaled", "amax_kernel")),
     ("gemm-fp8", ("e4m3", "e5m2", "f8f8", "fp8")),
