@@ -15,8 +15,8 @@ import json
 
 import torch
 
-from fp8plug.bench import BF16, GEMM_BOUND, parse_shapes, resolve_engines
-from fp8plug.bench.cases import EngineSpec, gemm_bound_case, linear_case
+from fp8plug.bench import BF16, parse_shapes, resolve_engines
+from fp8plug.bench.cases import EngineSpec, build_case
 from fp8plug.hardware import device_info
 from step_profile import profile_steps
 
@@ -24,10 +24,7 @@ from step_profile import profile_steps
 def profile_case(spec: EngineSpec, shape, mode: str, device, iterations: int) -> dict:
     """GPU ms per iteration by kernel group, and the GEMM kernels and the other top kernels."""
     torch._dynamo.reset()
-    if spec.label == GEMM_BOUND:
-        step, reset = gemm_bound_case(shape, mode, device)
-    else:
-        step, reset = linear_case(spec, shape, mode, device)
+    step, reset = build_case(spec, shape, mode, device)
 
     def iteration():
         reset()

@@ -51,6 +51,15 @@ def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int = 0, fallback=None)
     return torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
 
 
+def delayed_scale(prev_scale: torch.Tensor, use_prev: torch.Tensor, amax: torch.Tensor, fp8_max,
+                  margin: int = 0) -> torch.Tensor:
+    """The scale a delayed-scaling cast uses: `prev_scale`, set at the end of the last step, where
+    `use_prev` (a bool tensor: the slot has had an update); before that, the current `amax`'s, so
+    the first step cannot overflow. A tensor `where`, not a Python branch, so a compiled model
+    keeps one graph when the first update lands."""
+    return torch.where(use_prev, prev_scale, scale_from_amax(amax, fp8_max, margin))
+
+
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Scale, saturate to the format's range, and cast to FP8."""
     limit = FP8_MAX[dtype]

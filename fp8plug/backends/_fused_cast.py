@@ -23,15 +23,16 @@ from typing import Tuple
 
 import torch
 
-from ..scaling import FP8_MAX, scale_from_amax
+from ..scaling import FP8_MAX, delayed_scale
 
 # The cast-transpose kernel's tile (rows, columns) and warps, and the amax pass's block.
 TILE = (64, 128, 4)
 _AMAX_BLOCK = 8192
 
 
-_READY = False  # whether load() built the op (a plain bool: torch.compile reads it as a constant)
-_LOADED = []  # load() has run in this process
+# Whether load() built the op: None until it has run, then a plain bool that torch.compile reads
+# as a constant.
+_READY = None
 
 
 def load() -> bool:
@@ -39,11 +40,10 @@ def load() -> bool:
     triton_op); whether it is there. Called when a delayed-scaling layer is set up, outside
     torch.compile, so that the compiled forward only reads a flag."""
     global _READY
-    if not _LOADED:
-        _LOADED.append(True)
-        if _can_build():
+    if _READY is None:
+        _READY = _can_build()
+        if _READY:
             _build()
-            _READY = True
     return _READY
 
 
@@ -52,16 +52,14 @@ def usable(t: torch.Tensor) -> bool:
     tracing. Under torch.compile the torch-op cast is kept: the compiler fuses it into the kernel
     that makes the tensor (a norm, an activation), and on a whole Hugging Face Llama that was
     faster and 1.2 GB lighter than this op (docs/performance.md)."""
-    return _READY and t.is_cuda and t.dim() == 2 and not torch.compiler.is_compiling()
+    return bool(_READY) and t.is_cuda and t.dim() == 2 and not torch.compiler.is_compiling()
 
 
 def cast_transpose(t: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
                    margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(t in FP8, its transpose in FP8 and contiguous, max |t|, the scale used) for a delayed slot.
-
-    The scale is `prev_scale` where `use_prev` (a bool tensor: the slot has had an update) and
-    otherwise t's own amax's (TransformerEngine's formula with `margin`), as in
-    NativeFP8Linear's torch path. max |t| is NaN if t holds a NaN. Needs `usable(t)`."""
+    """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|) for a delayed slot,
+    the scale as scaling.delayed_scale gives it, as in NativeFP8Linear's torch path. max |t| is NaN
+    if t holds a NaN. Needs `usable(t)`."""
     return torch.ops.fp8plug.cast_transpose(t.contiguous(), prev_scale.reshape(1).float(), use_prev.reshape(1),
                                             dtype, margin)
 
@@ -127,7 +125,7 @@ def _build():
         flag = use_prev.to(torch.int32)
         wrap_triton(amax_unless_scaled)[(first.numel(),)](x, x.numel(), flag, first, BLOCK=_AMAX_BLOCK,
                                                          num_warps=8)
-        scale = torch.where(use_prev, prev_scale, scale_from_amax(first.amax(), limit, margin))
+        scale = delayed_scale(prev_scale, use_prev, first.amax(), limit, margin)
         y = torch.empty((m, n), device=x.device, dtype=dtype)
         yt = torch.empty((n, m), device=x.device, dtype=dtype)
         bm, bn, warps = TILE
@@ -135,6 +133,6 @@ def _build():
         tiles = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.float32)
         wrap_triton(cast_both_layouts)[grid](x, scale, y, yt, tiles, m, n, FP8_LIMIT=limit, BM=bm, BN=bn,
                                              num_warps=warps)
-        return y, yt, tiles.amax(), scale.reshape(())
+        return y, yt, scale.reshape(()), tiles.amax()
 
     return op

@@ -32,6 +32,7 @@ from ..scaling import (
     NOT_RECORDED,
     DelayedSettings,
     amax_of,
+    delayed_scale,
     encode_for_reduction,
     fold_delayed_scaling,
     quantize,
@@ -95,7 +96,7 @@ class _FP8Linear(torch.autograd.Function):
         # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
         # the current amax's
         delayed = grad_mode == "delayed"
-        g_fp8, g_t, g_amax, g_scale = _cast(grad_out, bwd_dtype, delayed, grad_scale,
+        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, bwd_dtype, delayed, grad_scale,
                                              grad_scale > 0 if delayed else None, margin)
         if ctx.grad_record is not None:
             record_amax(ctx.grad_record, g_amax)
@@ -113,12 +114,10 @@ class _FP8Linear(torch.autograd.Function):
 
 
 def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
-    """(t in FP8, its transpose in FP8 and contiguous, max |t|, the scale used).
+    """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|).
 
-    Dynamic (`delayed` False): the scale is t's own amax's. Delayed: `prev_scale` where `use_prev`
-    (a bool tensor: the slot has had an update), else t's own amax's with `margin`; the choice is
-    a tensor `where`, not a Python branch, so a compiled model keeps one graph from its first step
-    on. A delayed slot of a CUDA tensor in eager execution is cast in one pass
+    Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
+    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A delayed slot of a CUDA tensor in eager execution is cast in one pass
     (backends._fused_cast); everything else with torch ops, which torch.compile fuses with the ops
     around them."""
     t = t.detach()
@@ -126,14 +125,14 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
         return fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
     amax = amax_of(t)
     if delayed:
-        scale = torch.where(use_prev, prev_scale, scale_from_amax(amax, FP8_MAX[dtype], margin))
+        scale = delayed_scale(prev_scale, use_prev, amax, FP8_MAX[dtype], margin)
     else:
         scale = scale_from_amax(amax, FP8_MAX[dtype])
     t_fp8 = quantize(t, scale, dtype)
     # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
     # contiguous. Transposing right after the cast lets the compiler write both layouts from one
     # read of the high-precision tensor.
-    return t_fp8, t_fp8.t().contiguous(), amax, scale
+    return t_fp8, t_fp8.t().contiguous(), scale, amax
 
 
 class NativeFP8Linear(nn.Linear):
@@ -266,9 +265,8 @@ class NativeFP8Linear(nn.Linear):
         its own amax (dynamic, or delayed before the slot's first update), else by the scale set
         at the end of the last step."""
         delayed = self.delayed_slots[slot]
-        t_fp8, t_t, amax, scale = _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot],
-                                        self.fp8_step[slot] > 0 if delayed else None, self.margin)
-        return t_fp8, t_t, scale, amax
+        return _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot], self.fp8_step[slot] > 0 if delayed else None,
+                     self.margin)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "

@@ -159,6 +159,13 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     return step, reset
 
 
+def build_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device):
+    """(step, reset) for any column: the bare FP8 GEMMs, or a Linear under `spec`."""
+    if spec.label == GEMM_BOUND:
+        return gemm_bound_case(shape, mode, device)
+    return linear_case(spec, shape, mode, device)
+
+
 def gemm_bound_case(shape: Shape, mode: str, device: torch.device):
     """(step, reset) for the three FP8 GEMMs of a Linear with every operand already cast and laid
     out as torch._scaled_mm wants: no amax, no cast, no transpose. No engine can beat it."""

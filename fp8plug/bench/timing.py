@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .cases import BF16, GEMM_BOUND, BenchSkip, EngineSpec, Shape, gemm_bound_case, linear_case
+from .cases import BF16, BenchSkip, EngineSpec, Shape, build_case
 
 TIMINGS = ("queued", "synced")
 
@@ -112,10 +112,7 @@ def measure(spec: EngineSpec, shape: Shape, mode: str, device: torch.device, tim
     if mode == "compiled":
         torch._dynamo.reset()  # one compile per case; never hit the recompile limit and run eager
     try:
-        if spec.label == GEMM_BOUND:
-            step, reset = gemm_bound_case(shape, mode, device)
-        else:
-            step, reset = linear_case(spec, shape, mode, device)
+        step, reset = build_case(spec, shape, mode, device)
         ms = timer(step, reset)
         row["ms"] = ms
         row["tflops"] = flops_fwd_bwd(m, k, n) / (ms * 1e-3) / 1e12
