@@ -13,14 +13,22 @@ from typing import Optional
 
 class _Region:
     """Whether an FP8 autocast region is open: None outside any region (modules then follow
-    their own training flag), True or False inside one."""
+    their own training flag), True or False inside one.
 
-    enabled: Optional[bool] = None
+    One instance holds the flag, not the class: torch.compile (torch 2.11) cannot trace setting a
+    class attribute and broke the graph at every region's entry, so a compiled model wrapped by
+    the autocast compiled as two graphs."""
+
+    def __init__(self):
+        self.enabled: Optional[bool] = None
+
+
+_REGION = _Region()
 
 
 def fp8_now(training: bool) -> bool:
     """Whether a layer in `training` mode runs FP8 now: the region's choice, else training mode."""
-    region = _Region.enabled
+    region = _REGION.enabled
     return training if region is None else region
 
 
@@ -28,17 +36,17 @@ class fp8_region:
     """Run the layers that follow this flag in FP8 (enabled) or in high precision (disabled)
     inside the block.
 
-    A plain class rather than a generator so torch.compile can trace it without a graph break."""
+    A plain class rather than a generator so torch.compile traces it without a graph break."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
         self.previous = None
 
     def __enter__(self):
-        self.previous = _Region.enabled
-        _Region.enabled = self.enabled
+        self.previous = _REGION.enabled
+        _REGION.enabled = self.enabled
         return self
 
     def __exit__(self, *exc):
-        _Region.enabled = self.previous
+        _REGION.enabled = self.previous
         return False

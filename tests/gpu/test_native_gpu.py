@@ -66,3 +66,22 @@ def test_decoder_trains_close_to_bf16(scaling):
     fp8plug.apply_fp8_autowrap(model, recipe)
     fp8 = adamw_tail_loss(model, batches, 150, autocast="cuda")
     assert abs(fp8 - bf16) / bf16 <= 0.10, (fp8, bf16)
+
+
+def test_the_autocast_wrapped_model_compiles_as_one_graph():
+    """The FP8 autocast wrapper (how Accelerate and fp8plug.Accelerator run a model) traces in one
+    graph under torch.compile: on torch 2.11 opening the region once broke the graph, so a wrapped
+    Hugging Face model compiled as two."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda().bfloat16()
+    recipe = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
+    report = fp8plug.convert_model(model, recipe=recipe)
+    assert len(report.converted) == 2
+    fp8plug.apply_fp8_autowrap(model, recipe)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    out = compiled(x)
+    out.float().sum().backward()
+    reference = F.linear(F.gelu(F.linear(x.double(), model[0].weight.double(), model[0].bias.double())),
+                         model[2].weight.double(), model[2].bias.double())
+    assert sqnr_db(out, reference) >= 20
