@@ -1,7 +1,7 @@
 """How fast the one-pass FP8 cast (fp8plug.backends._fused_cast) runs per tile shape, in GB/s of
 memory traffic (read the tensor once, write it twice in FP8), against torch ops under
 torch.compile doing the same cast with the amax pass a dynamic scale needs. Picks
-fused_cast.TILE.
+fused_cast.TILE and TRANSPOSE_16BIT_IN_REGISTERS (columns ending in "-reg").
 
     python3 benchmarks/fused_cast_tiles.py --shapes 16384x8192,16384x57344,8192x14336
 """
@@ -38,6 +38,8 @@ def main():
     parser.add_argument("--shapes", default="16384x8192,16384x10240,16384x28672,16384x57344,8192x4096,4096x14336")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if not fused_cast.load():
+        raise SystemExit("the fused cast needs a CUDA GPU, Triton and torch.library.triton_op")
     rows = []
     scale, scaled = torch.tensor(3.0, device="cuda"), torch.tensor(True, device="cuda")
     for text in args.shapes.split(","):
@@ -46,8 +48,10 @@ def main():
         traffic = t.numel() * (2 + 1 + 1)
         row = dict(shape=text, torch_compiled_ms=gpu_ms(lambda: torch_cast(t)))
         for tile in TILES:
-            fused_cast.TILE = tile
-            row["x".join(map(str, tile))] = gpu_ms(lambda: fused_cast.cast_transpose(t, scale, scaled, E4M3, 0))
+            for in_registers in (False, True):
+                fused_cast.TILE, fused_cast.TRANSPOSE_16BIT_IN_REGISTERS = tile, in_registers
+                name = "x".join(map(str, tile)) + ("-reg" if in_registers else "")
+                row[name] = gpu_ms(lambda: fused_cast.cast_transpose(t, scale, scaled, E4M3, 0))
         best = min((k for k in row if k[0].isdigit()), key=row.get)
         rows.append(row)
         print(f"{text}: torch compiled {row['torch_compiled_ms']:.3f} ms ({traffic / row['torch_compiled_ms'] / 1e6:.0f} GB/s); "

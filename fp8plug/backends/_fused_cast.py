@@ -23,11 +23,19 @@ from typing import Tuple
 
 import torch
 
-from ..scaling import FP8_MAX, delayed_scale
+from ..scaling import FP8_MAX, SCALE_MAX
 
-# The cast-transpose kernel's tile (rows, columns) and warps, and the amax pass's block.
-TILE = (64, 128, 4)
+# The cast-transpose kernel's tile (rows, columns) and warps; whether 16-bit input is transposed in
+# registers (tl.trans) rather than loaded a second time in transposed order (float32 input always
+# is: tl.trans gave wrong tiles for it on an H100 with Triton 3.6). Both picked by
+# benchmarks/fused_cast_tiles.py.
+TILE = (64, 256, 8)
+TRANSPOSE_16BIT_IN_REGISTERS = True
+# The first-step amax pass: elements per block, and at most this many programs, each walking
+# blocks a grid's width apart, so that once the slot is scaled the pass is a handful of programs
+# that return at once.
 _AMAX_BLOCK = 8192
+_AMAX_PROGRAMS = 1024
 
 
 # Whether load() built the op: None until it has run, then a plain bool that torch.compile reads
@@ -75,43 +83,58 @@ def _can_build() -> bool:
 
 
 def _build():
-    """Define the two Triton kernels and register the op (torch.ops.fp8plug.cast_transpose)."""
+    """Define the two Triton kernels and register the op (torch.ops.fp8plug.cast_transpose).
+
+    Three kernels a cast, whatever the slot's state: zeroing the first-step amax, the amax pass
+    (which returns at once once the slot is scaled), and the cast, which works out the scale
+    itself. Each torch op around a kernel is a launch of its own, and at the 70B shapes a dozen
+    of them per cast cost more than the kernels' difference to TransformerEngine's."""
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
 
     @triton.jit
-    def amax_unless_scaled(x_ptr, numel, use_prev_ptr, partial_ptr, BLOCK: tl.constexpr):
-        """Per-block max |x| (NaN if the block holds one), or 0 at once once the slot is scaled."""
-        pid = tl.program_id(0)
+    def amax_unless_scaled(x_ptr, numel, use_prev_ptr, amax_ptr, BLOCK: tl.constexpr):
+        """max |x| into amax_ptr (an atomic max; NaN counts as inf, and both give the fallback
+        scale), unless the slot is scaled already: then nothing is read."""
         if tl.load(use_prev_ptr) != 0:
-            tl.store(partial_ptr + pid, 0.0)
             return
-        offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.abs(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32))
-        nan = tl.max((x != x).to(tl.int32), axis=0)
-        tl.store(partial_ptr + pid, tl.where(nan > 0, float("nan"), tl.max(x, axis=0)))
+        running = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            a = tl.abs(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32))
+            running = tl.maximum(running, tl.where(a != a, float("inf"), a))
+        tl.atomic_max(amax_ptr, tl.max(running, axis=0))
 
     @triton.jit
-    def cast_both_layouts(x_ptr, scale_ptr, y_ptr, yt_ptr, partial_ptr, M, N, FP8_LIMIT: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr):
-        """y = saturate(x * scale) in FP8, written row-major and transposed; per-tile max |x|."""
+    def cast_both_layouts(x_ptr, prev_ptr, use_prev_ptr, amax_ptr, scale_ptr, y_ptr, yt_ptr, partial_ptr, M, N,
+                          FP8_LIMIT: tl.constexpr, INV_MARGIN: tl.constexpr, MAX_SCALE: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, TRANSPOSE_IN_REGISTERS: tl.constexpr):
+        """y = saturate(x * scale) in FP8, written row-major and transposed; per-tile max |x|;
+        the first program also writes the scale."""
         pm, pn = tl.program_id(0), tl.program_id(1)
+        # scaling.delayed_scale, in torch's float32 steps (reciprocal, times fp8_max, times
+        # 2**-margin, clamp; 1 where the amax is 0 or not finite), so the bytes match
+        amax = tl.load(amax_ptr)
+        fresh = tl.minimum(tl.math.div_rn(tl.full((), 1.0, tl.float32), amax) * FP8_LIMIT * INV_MARGIN, MAX_SCALE)
+        fresh = tl.where((amax > 0) & (amax < float("inf")), fresh, 1.0)
+        scale = tl.where(tl.load(use_prev_ptr) != 0, tl.load(prev_ptr), fresh).to(tl.float32)
+        if (pm == 0) & (pn == 0):
+            tl.store(scale_ptr, scale)
         rows = pm.to(tl.int64) * BM + tl.arange(0, BM)
         cols = pn.to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(scale_ptr)
-        y = tl.clamp(x * scale, -FP8_LIMIT, FP8_LIMIT).to(y_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        y = tl.clamp(x.to(tl.float32) * scale, -FP8_LIMIT, FP8_LIMIT).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
-        # The transposed tile is loaded again in its own order (the tile is in cache by now) rather
-        # than transposed with tl.trans, which gave wrong tiles for float32 input on an H100
-        # (Triton 3.6); Triton moves the data between the two layouts itself.
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-        x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
-        y_t = tl.clamp(x_t * scale, -FP8_LIMIT, FP8_LIMIT).to(yt_ptr.dtype.element_ty)
+        if TRANSPOSE_IN_REGISTERS:
+            x_t = tl.trans(x)
+        else:  # loaded again in its own order (the tile is in cache by now)
+            x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0)
+        y_t = tl.clamp(x_t.to(tl.float32) * scale, -FP8_LIMIT, FP8_LIMIT).to(yt_ptr.dtype.element_ty)
         tl.store(yt_ptr + cols[:, None] * M + rows[None, :], y_t, mask=mask_t)
-        a = tl.abs(x)
+        a = tl.abs(x.to(tl.float32))
         nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
         tile_max = tl.max(tl.max(a, axis=1), axis=0)
         tl.store(partial_ptr + pm * tl.num_programs(1) + pn, tl.where(nan > 0, float("nan"), tile_max))
@@ -120,19 +143,20 @@ def _build():
     def op(x: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
            margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = x.shape
-        limit = FP8_MAX[dtype]
-        first = torch.empty(triton.cdiv(x.numel(), _AMAX_BLOCK), device=x.device, dtype=torch.float32)
-        flag = use_prev.to(torch.int32)
-        wrap_triton(amax_unless_scaled)[(first.numel(),)](x, x.numel(), flag, first, BLOCK=_AMAX_BLOCK,
-                                                         num_warps=8)
-        scale = delayed_scale(prev_scale, use_prev, first.amax(), limit, margin)
+        first_amax = torch.zeros((), device=x.device, dtype=torch.float32)
+        programs = max(1, min(triton.cdiv(x.numel(), _AMAX_BLOCK), _AMAX_PROGRAMS))
+        wrap_triton(amax_unless_scaled)[(programs,)](x, x.numel(), use_prev, first_amax, BLOCK=_AMAX_BLOCK,
+                                                    num_warps=8)
+        scale = torch.empty((), device=x.device, dtype=torch.float32)
         y = torch.empty((m, n), device=x.device, dtype=dtype)
         yt = torch.empty((n, m), device=x.device, dtype=dtype)
         bm, bn, warps = TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         tiles = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.float32)
-        wrap_triton(cast_both_layouts)[grid](x, scale, y, yt, tiles, m, n, FP8_LIMIT=limit, BM=bm, BN=bn,
-                                             num_warps=warps)
-        return y, yt, scale.reshape(()), tiles.amax()
+        in_registers = TRANSPOSE_16BIT_IN_REGISTERS and x.element_size() == 2
+        wrap_triton(cast_both_layouts)[grid](x, prev_scale, use_prev, first_amax, scale, y, yt, tiles, m, n,
+                                             FP8_LIMIT=FP8_MAX[dtype], INV_MARGIN=2.0**-margin, MAX_SCALE=SCALE_MAX,
+                                             BM=bm, BN=bn, TRANSPOSE_IN_REGISTERS=in_registers, num_warps=warps)
+        return y, yt, scale, tiles.amax()
 
     return op
