@@ -156,6 +156,32 @@ def test_bench_smoke_eager_json_csv_and_table(tmp_path, capsys):
     assert "vs bf16" in out and "TFLOP/s" in out and "native:delayed" in out and "unavailable:" in out
 
 
+def test_rounds_report_each_case_once_at_the_median_of_its_rounds(tmp_path, capsys):
+    status, data, csv_rows = _run(tmp_path, "--shapes", "32x32x32", "--engines", "native,te", "--modes", "eager",
+                                  "--rounds", "3")
+    assert status == 0 and data["meta"]["rounds"] == 3
+    rows = data["rows"]
+    assert [r["engine"] for r in rows] == ["bf16", "native:delayed", "te:delayed"] == [r["engine"] for r in csv_rows]
+    for r in rows[:2]:
+        assert len(r["ms_rounds"]) == 3 and r["ms"] == sorted(r["ms_rounds"])[1]
+    assert _check_speedups(rows) == 2
+    assert rows[2]["ms"] is None and rows[2]["error"].startswith("unavailable:")
+    assert bench.main(["--device", "cpu", "--rounds", "0", "--no-progress"]) == 2
+    assert "--rounds 0" in capsys.readouterr().err
+
+
+def test_a_case_failing_in_one_round_is_reported_failed():
+    from fp8plug.bench import merge_rounds
+
+    def row(ms, error=None):
+        return dict(shape="16x16x16", M=16, K=16, N=16, mode="eager", engine="native:delayed", ms=ms,
+                    tflops=None, error=error)
+
+    (merged,) = merge_rounds([row(1.0), row(None, "CUDA out of memory at this shape"), row(3.0)])
+    assert merged["ms"] is None and merged["error"] == "CUDA out of memory at this shape"
+    assert merged["ms_rounds"] == [1.0, None, 3.0]
+
+
 @pytest.mark.slow
 def test_bench_smoke_compiled(tmp_path):
     status, data, _ = _run(tmp_path, "--shapes", "32x32x32", "--engines", "native:dynamic", "--modes", "compiled")

@@ -27,12 +27,12 @@ from .cases import (
 )
 from .options import add_arguments, parse_modes, parse_shapes, settings
 from .report import CSV_COLUMNS, Progress, environment, format_table, write_csv, write_json
-from .timing import TIMINGS, Timer, add_speedups, flops_fwd_bwd, measure
+from .timing import TIMINGS, Timer, add_speedups, flops_fwd_bwd, measure, merge_rounds
 
 __all__ = [
     "BF16", "CPU_SHAPES", "CSV_COLUMNS", "GEMM_BOUND", "LLAMA70B_SHAPES", "MODES", "SHAPE_PRESETS", "SWEEP_SHAPES",
     "TIMINGS", "BenchSkip", "EngineSpec", "Progress", "Shape", "Timer", "add_arguments", "add_speedups",
-    "environment", "flops_fwd_bwd", "format_table", "main", "measure", "parse_modes", "parse_shapes",
+    "environment", "flops_fwd_bwd", "format_table", "main", "measure", "merge_rounds", "parse_modes", "parse_shapes",
     "resolve_engines", "run", "settings", "write_csv", "write_json",
 ]
 
@@ -58,21 +58,29 @@ def run(args: argparse.Namespace) -> int:
           f"median of {repeats} after {warmup} warm-up")
     for name, why in unavailable.items():
         print(f"  {name}: not measured: {why}")
-    progress = Progress(len(shapes) * len(modes) * len(cases), enabled=not getattr(args, "no_progress", False))
+    rounds = getattr(args, "rounds", 1)
+    rounds = 1 if rounds is None else rounds
+    if rounds < 1:
+        print(f"fp8plug bench: --rounds {rounds}: measure at least one round.", file=sys.stderr)
+        return 2
+    progress = Progress(rounds * len(shapes) * len(modes) * len(cases),
+                        enabled=not getattr(args, "no_progress", False))
     rows = []
     try:
-        for shape in shapes:
-            for mode in modes:
-                for spec in cases:
-                    progress.start(f"{shape[0]}x{shape[1]}x{shape[2]} {mode} {spec.label}")
-                    rows.append(measure(spec, shape, mode, device, timer, unavailable.get(spec.backend)))
-                    progress.advance()
+        for _ in range(rounds):
+            for shape in shapes:
+                for mode in modes:
+                    for spec in cases:
+                        progress.start(f"{shape[0]}x{shape[1]}x{shape[2]} {mode} {spec.label}")
+                        rows.append(measure(spec, shape, mode, device, timer, unavailable.get(spec.backend)))
+                        progress.advance()
     finally:
         progress.close()
+    rows = merge_rounds(rows)
     add_speedups(rows)
     print(format_table(rows))
     meta = environment(device, info.describe())
-    meta.update(warmup=warmup, repeats=repeats, modes=modes, shapes=[list(s) for s in shapes],
+    meta.update(warmup=warmup, repeats=repeats, rounds=rounds, modes=modes, shapes=[list(s) for s in shapes],
                 unavailable=unavailable,
                 timing=f"cuda events, {timing}" if device.type == "cuda" else "wall clock")
     if args.json_path:

@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default: 5 GPU, 2 CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed iterations; the median is reported (default: 20 GPU, 5 CPU)")
     parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure every case this many times, the cases taking turns, and report the median "
+             "(a case's speed on a GPU varies by a few percent from one build of it to the next)",
+    )
+    parser.add_argument(
         "--timing", choices=TIMINGS, default="queued",
         help="GPU timing: queued (the GPU's own time per step, as inside a model whose host runs "
              "ahead; default) or synced (each step alone, host time included)",

@@ -128,6 +128,28 @@ def measure(spec: EngineSpec, shape: Shape, mode: str, device: torch.device, tim
     return row
 
 
+def merge_rounds(rows: List[dict]) -> List[dict]:
+    """One row per case (shape, mode, engine) from rows measured in several rounds: the median of
+    the rounds' times, each round's under `ms_rounds`. A case that failed in any round is a row
+    with that round's error: a flaky engine is reported, not averaged away."""
+    cases: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        cases.setdefault((row["shape"], row["mode"], row["engine"]), []).append(row)
+    merged = []
+    for group in cases.values():
+        row = dict(group[0])
+        if len(group) > 1:
+            failed = [r for r in group if r["ms"] is None]
+            row["ms_rounds"] = [r["ms"] for r in group]
+            if failed:
+                row.update(ms=None, tflops=None, error=failed[0]["error"])
+            else:
+                row["ms"] = statistics.median(row["ms_rounds"])
+                row["tflops"] = flops_fwd_bwd(row["M"], row["K"], row["N"]) / (row["ms"] * 1e-3) / 1e12
+        merged.append(row)
+    return merged
+
+
 def add_speedups(rows: List[dict]) -> List[dict]:
     """speedup = bf16 ms / this row's ms, against bf16 at the same shape and mode; and
     vs_bf16_compiled, against compiled bf16 at the same shape (the usual baseline, e.g. for an
