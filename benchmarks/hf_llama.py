@@ -270,6 +270,7 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
             if cuda:
                 torch.cuda.synchronize()
             out.setdefault("first_step_s", time.time() - t0)
+            out.setdefault("compile", compile_breakdown())
             if i == warmup - 1:
                 out["warm_s"] = time.time() - t0
     if cuda:
@@ -291,6 +292,18 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
     if not math.isfinite(out["loss"]):
         raise FloatingPointError(f"loss is {out['loss']} after {steps} steps")
     return out
+
+
+def compile_breakdown(top: int = 20) -> dict:
+    """Where the compilation so far went, in seconds: torch.compile's phases (tracing, AOT
+    autograd, inductor, waiting for kernel compiles) and its `top` largest timed functions, so a
+    slow first step can be attributed."""
+    from torch._dynamo import utils
+
+    names, values = utils.compile_times(repr="csv", aggregate=True)
+    largest = sorted(zip(names, map(float, values)), key=lambda item: -item[1])[:top]
+    return dict(phases={k: round(v, 2) for k, v in utils.calculate_time_spent().items()},
+                largest={k: round(v, 2) for k, v in largest})
 
 
 # --- the parent: one process per row, the table ----------------------------------------------------
