@@ -56,7 +56,9 @@ def delayed_scale(prev_scale: torch.Tensor, use_prev: torch.Tensor, amax: torch.
     """The scale a delayed-scaling cast uses: `prev_scale`, set at the end of the last step, where
     `use_prev` (a bool tensor: the slot has had an update); before that, the current `amax`'s, so
     the first step cannot overflow. A tensor `where`, not a Python branch, so a compiled model
-    keeps one graph when the first update lands."""
+    keeps one graph when the first update lands. The native engine's one-pass cast
+    (backends._fused_cast) works the same rule out inside its kernel, in the same float32 steps;
+    tests/gpu/test_fused_cast.py holds the two to the same scale and bytes."""
     return torch.where(use_prev, prev_scale, scale_from_amax(amax, fp8_max, margin))
 
 

@@ -167,7 +167,7 @@ def test_rounds_report_each_case_once_at_the_median_of_its_rounds(tmp_path, caps
     assert _check_speedups(rows) == 2
     assert rows[2]["ms"] is None and rows[2]["error"].startswith("unavailable:")
     assert bench.main(["--device", "cpu", "--rounds", "0", "--no-progress"]) == 2
-    assert "--rounds 0" in capsys.readouterr().err
+    assert "--rounds: must be >= 1." in capsys.readouterr().err
 
 
 def test_a_case_failing_in_one_round_is_reported_failed():

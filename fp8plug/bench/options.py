@@ -120,4 +120,6 @@ def settings(args) -> Tuple[torch.device, List[Shape], List[str], int, int]:
         raise ValueError("--warmup: must be >= 0.")
     if repeats < 1:
         raise ValueError("--repeats: must be >= 1.")
+    if getattr(args, "rounds", 1) < 1:
+        raise ValueError("--rounds: must be >= 1.")
     return device, shapes, modes, warmup, repeats
