@@ -59,7 +59,7 @@ def usable(t: torch.Tensor) -> bool:
     """Whether the fused cast runs on `t`: a 2-D CUDA tensor, the op built, and no torch.compile
     tracing. Under torch.compile the torch-op cast is kept: the compiler fuses it into the kernel
     that makes the tensor (a norm, an activation), and on a whole Hugging Face Llama that was
-    faster and 1.2 GB lighter than this op (docs/performance.md)."""
+    faster and 2.3 GB lighter than this op (docs/performance.md)."""
     return bool(_READY) and t.is_cuda and t.dim() == 2 and not torch.compiler.is_compiling()
 
 

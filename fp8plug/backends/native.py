@@ -117,9 +117,9 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
     """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|).
 
     Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
-    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A delayed slot of a CUDA tensor in eager execution is cast in one pass
-    (backends._fused_cast); everything else with torch ops, which torch.compile fuses with the ops
-    around them."""
+    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A delayed
+    slot of a CUDA tensor in eager execution is cast in one pass (backends._fused_cast);
+    everything else with torch ops, which torch.compile fuses with the ops around them."""
     t = t.detach()
     if delayed and fused_cast.usable(t):
         return fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
@@ -334,14 +334,14 @@ def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
             key = (m.delayed_settings(), m.fp8_amax_history.shape, m.fp8_scale.device)
             batches.setdefault(key, []).append(i)
         for (settings, _, _), members in batches.items():
-            _fold_batch([layers[i] for i in members], _rows(recorded, members, len(layers)), settings)
+            _fold_batch([layers[i] for i in members], _rows(recorded, members), settings)
 
 
-def _rows(t: torch.Tensor, indices: List[int], count: int) -> torch.Tensor:
-    """Rows `indices` of `t` (which has `count` rows). Not `t[indices]`: indexing with a Python
-    list copies the index to the GPU from pageable memory, which blocks the host until the GPU has
-    drained, and this runs after every optimizer step."""
-    return t if len(indices) == count else torch.stack([t[i] for i in indices])
+def _rows(t: torch.Tensor, indices: List[int]) -> torch.Tensor:
+    """Rows `indices` of `t`. Not `t[indices]`: indexing with a Python list copies the index to
+    the GPU from pageable memory, which blocks the host until the GPU has drained, and this runs
+    after every optimizer step."""
+    return t if len(indices) == t.shape[0] else torch.stack([t[i] for i in indices])
 
 
 def _fold_batch(layers: List[NativeFP8Linear], amax: torch.Tensor, settings: DelayedSettings) -> None:
