@@ -1,6 +1,8 @@
 """fp8plug's main demo: train a small decoder-only LM in FP8 and compare its loss with bf16.
 
-Runs on the CPU in about a minute (or on a GPU with --device cuda). Both runs start from the same
+Runs on the CPU in seconds (measured: 8-12 s for both runs on 2 cores of an AMD EPYC and of an AMX
+Xeon; FP8 GEMMs are emulated on a CPU, fp8plug.fp8_gemm), or on a GPU with --device cuda; each run
+prints its progress every 25 steps. Both runs start from the same
 weights and see the same batches; the FP8 run converts the model's Linear layers with the chosen
 engine (default: fp8plug's embedded `native` engine) and trains under the context-aware FP8
 autocast; everything else runs under bf16 autocast, as in the bf16 run.
@@ -18,10 +20,11 @@ import fp8plug
 from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
 
 
-def train(model, batches, device, steps, lr):
+def train(model, batches, device, steps, lr, label):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
+    start = time.perf_counter()
     for step in range(steps):
         tokens = batches[step % len(batches)]
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
@@ -30,6 +33,9 @@ def train(model, batches, device, steps, lr):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            print(f"  {label}: step {step + 1}/{steps}, loss {losses[-1]:.4f}, "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
     return losses
 
 
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
     batches = synthetic_batches(16, batch=8, seq=64, vocab=cfg.vocab_size, seed=args.seed, device=device)
 
     start = time.perf_counter()
-    bf16_losses = train(copy.deepcopy(base), batches, device, args.steps, args.lr)
+    bf16_losses = train(copy.deepcopy(base), batches, device, args.steps, args.lr, "bf16")
     bf16_time = time.perf_counter() - start
 
     fp8_model = copy.deepcopy(base)
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
     report = fp8plug.convert_model(fp8_model, recipe=recipe, backend=selection.name)
     fp8plug.apply_fp8_autowrap(fp8_model, recipe, backend=selection.backend)
     start = time.perf_counter()
-    fp8_losses = train(fp8_model, batches, device, args.steps, args.lr)
+    fp8_losses = train(fp8_model, batches, device, args.steps, args.lr, f"fp8 ({selection.name})")
     fp8_time = time.perf_counter() - start
 
     bf16_final, fp8_final = tail_mean(bf16_losses), tail_mean(fp8_losses)

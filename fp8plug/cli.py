@@ -23,7 +23,8 @@ def env_report(device=None) -> str:
         f"Python       {platform.python_version()} ({sys.executable})",
         f"torch        {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         f"accelerate   {accelerate.__version__}",
-        f"device       {info.describe()}; FP8 GEMMs: {'yes' if info.fp8_gemm else 'no'}",
+        f"device       {info.describe()}",
+        f"FP8 GEMMs    {fp8_gemm_status(info)}",
     ]
     try:
         selection = select_backend(None, info)
@@ -38,6 +39,20 @@ def env_report(device=None) -> str:
         lines.append(str(exc))
         lines.append("automatic choice: none")
     return "\n".join(lines)
+
+
+def fp8_gemm_status(info) -> str:
+    """How FP8 GEMMs run on the device and one FP8 GEMM's time against bf16's, measured now (a few
+    milliseconds), or why they cannot run."""
+    from .fp8_gemm import fp8_gemm_speed
+
+    if not info.fp8_gemm:
+        return "none on this device (FP8 GEMMs need CUDA compute capability 8.9+ or a CPU)"
+    speed = fp8_gemm_speed(info.type)
+    if speed.how == "emulated":
+        return (f"{speed.describe()}; a CPU has no FP8 matrix units, so FP8 here checks numerics "
+                "and code paths, not speed")
+    return speed.describe()
 
 
 def auto_filter_status(backend: str, info) -> str:

@@ -18,7 +18,7 @@ class DeviceInfo:
 
     @property
     def fp8_gemm(self) -> bool:
-        """Whether FP8 GEMMs run natively: CUDA sm_89+, or torch's CPU `_scaled_mm`."""
+        """Whether FP8 GEMMs run here: on CUDA sm_89+ in hardware, on a CPU emulated (fp8plug.fp8_gemm)."""
         if self.type == "cuda":
             return self.capability is not None and self.capability >= FP8_MIN_CAPABILITY
         return self.type == "cpu"

@@ -24,6 +24,13 @@ def test_env_report_function_names_the_device():
     assert "CPU" in env_report("cpu")
 
 
+def test_env_says_fp8_gemms_are_emulated_on_a_cpu_and_how_fast():
+    from fp8plug.cli import env_report
+
+    line = [line for line in env_report("cpu").splitlines() if line.startswith("FP8 GEMMs")][0]
+    assert "emulated; a 512x128x512 GEMM takes" in line and "ms in bf16" in line and "x)" in line
+
+
 @pytest.mark.slow
 def test_demo_fp8_loss_within_ten_percent_of_bf16(capsys):
     sys.path.insert(0, str(ROOT / "examples"))

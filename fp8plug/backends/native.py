@@ -5,7 +5,7 @@ DelayedScaling semantics (fp8plug.scaling): an amax history per tensor (input, w
 grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
 every `interval` steps, and amaxes reduced across data-parallel ranks once per optimizer step so
 every rank casts with one scale. The three GEMMs (fprop, dgrad, wgrad) go through
-`torch._scaled_mm`, on CUDA sm_89+ and on the CPU; forward saves the FP8 copies of input and weight
+`torch._scaled_mm` on CUDA sm_89+ and its bf16 emulation on the CPU (fp8plug.fp8_gemm); forward saves the FP8 copies of input and weight
 for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
 the state dict keeps the plain Linear's keys. The forward is branch-free tensor code, so it
 compiles with fullgraph=True.
@@ -24,6 +24,7 @@ from ..convert import (
     ALIGNMENT, ConversionReport, ignore_in_ddp, linear_alignment_problem, plain_linear, plan_conversion, replace_module,
     swap_modules,
 )
+from ..fp8_gemm import scaled_mm
 from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
@@ -58,10 +59,7 @@ STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded
 
 
 def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
-    return torch._scaled_mm(
-        a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
-    )
+    return scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype, use_fast_accum=fast_accum)
 
 
 class _FP8Linear(torch.autograd.Function):

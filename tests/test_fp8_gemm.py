@@ -1,0 +1,118 @@
+"""The CPU's FP8 GEMM emulation (fp8plug.fp8_gemm) against torch's own CPU `torch._scaled_mm`.
+
+The emulation exists for speed (torch's CPU kernel took 1 s for a 512x128x512 GEMM on an AMX Xeon,
+docs/performance.md "FP8 on a CPU"), and must not change a single result: every check here is bit
+for bit against torch's kernel, which is what fp8plug ran on the CPU before.
+"""
+
+import pytest
+import torch
+
+import fp8plug
+from fp8plug import fp8_gemm
+from fp8plug.backends import native
+
+FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+ENGINE = fp8plug.get_backend("native")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit, NaN where the other is NaN."""
+    return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_fp8_value_converts_exactly(fmt):
+    every = torch.arange(256, dtype=torch.uint8).view(fmt)
+    assert same_bits(fp8_gemm.fp8_to_float(every), every.float())
+    grid = every.view(16, 16).t()  # a transposed (non-contiguous) operand, as the GEMMs get them
+    assert same_bits(fp8_gemm.fp8_to_float(grid), grid.float())
+
+
+def test_other_dtypes_are_refused_by_name():
+    with pytest.raises(TypeError, match="fp8_to_float: expected float8_e4m3fn or float8_e5m2"):
+        fp8_gemm.fp8_to_float(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def operands(fmt_a, fmt_b, m=48, k=96, n=80, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=gen) * 40).to(fmt_a)
+    b = (torch.randn(n, k, generator=gen) * 3).to(fmt_b).t()
+    return a, b
+
+
+@pytest.mark.parametrize("fmt_a, fmt_b", [(FORMATS[0], FORMATS[0]), (FORMATS[1], FORMATS[0]), (FORMATS[0], FORMATS[1])])
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_gemm_equals_torch_cpu_scaled_mm_to_the_bit(fmt_a, fmt_b, out_dtype):
+    a, b = operands(fmt_a, fmt_b)
+    inv_a, inv_b = torch.tensor(0.0371), torch.tensor(1.37)  # not powers of two: rounding shows
+    expected = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    assert same_bits(fp8_gemm.scaled_mm(a, b, inv_a, inv_b, out_dtype), expected)
+    bias = torch.randn(b.shape[1]).to(out_dtype)
+    if out_dtype != torch.float32:  # torch's kernel takes no bias with a float32 output
+        expected = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, bias=bias, out_dtype=out_dtype)
+        assert same_bits(fp8_gemm.scaled_mm(a, b, inv_a, inv_b, out_dtype, bias=bias), expected)
+
+
+def test_non_finite_operands_stay_non_finite():
+    a, b = operands(FORMATS[1], FORMATS[0])
+    a[3, 5] = float("inf")
+    a[7, 1] = float("nan")
+    out = fp8_gemm.scaled_mm(a, b, torch.tensor(1.0), torch.tensor(1.0), torch.float32)
+    expected = torch._scaled_mm(a, b, scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.float32)
+    assert same_bits(out, expected) and not out[3].isfinite().any() and out[7].isnan().all()
+
+
+def test_the_cpu_never_calls_torch_scaled_mm(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch._scaled_mm called on the CPU")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    a, b = operands(FORMATS[0], FORMATS[0])
+    fp8_gemm.scaled_mm(a, b, torch.tensor(1.0), torch.tensor(1.0), torch.bfloat16)
+    layer = native.NativeFP8Linear(32, 48)
+    with ENGINE.autocast(fp8plug.FP8RecipeKwargs(backend="native")):
+        layer(torch.randn(16, 32)).sum().backward()
+
+
+def torch_kernel(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=False, bias=None):
+    return torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+@pytest.mark.parametrize("scaling", ("delayed", "dynamic"))
+def test_native_training_is_unchanged_to_the_bit(monkeypatch, scaling):
+    """Three steps of a native FP8 Linear pair under bf16 autocast, once on the emulation and once
+    on torch's kernel (the engine's GEMM swapped back): outputs, gradients, weights and scaling
+    state are bit-identical."""
+
+    def train(gemm):
+        monkeypatch.setattr(native, "scaled_mm", gemm)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+        recipe = fp8plug.FP8RecipeKwargs(backend="native", scaling=scaling, auto_filter=False)
+        fp8plug.convert_model(model, recipe=recipe, backend="native")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        outs = []
+        for step in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+            with ENGINE.autocast(recipe), torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().mean().backward()
+            opt.step()
+            fp8plug.sync_fp8_scaling(model)
+            opt.zero_grad()
+            outs.append(out.detach())
+        return outs, [p.detach().clone() for p in model.parameters()], ENGINE.fp8_state(model)
+
+    emulated, kernel = train(fp8_gemm.scaled_mm), train(torch_kernel)
+    assert all(same_bits(a, b) for a, b in zip(emulated[0], kernel[0]))
+    assert all(same_bits(a, b) for a, b in zip(emulated[1], kernel[1]))
+    for name, slots in emulated[2].items():
+        assert all(same_bits(t, kernel[2][name][k]) for k, t in slots.items() if isinstance(t, torch.Tensor))
+
+
+def test_speed_probe_says_how_fp8_runs():
+    speed = fp8_gemm.fp8_gemm_speed("cpu", repeats=1)
+    assert speed.how == "emulated" and speed.fp8_ms > 0 and speed.bf16_ms > 0
+    assert "512x128x512" in speed.describe() and "emulated" in speed.describe()
