@@ -32,6 +32,9 @@ IGNORED = "listed in modules_to_ignore"
 REFUSED = "refused by module_filter_fn"
 NOT_ELIGIBLE = "not eligible"
 SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
+ADAPTER = "LoRA adapters (PEFT lora_A / lora_B)"
+ADAPTER_NOTE = ("LoRA adapter: trains in high precision (one rank wide, too small to gain from FP8); "
+                "its frozen base_layer runs in FP8")
 MHA_OUT = "output projections of nn.MultiheadAttention"
 MHA_QKV = "Q/K/V projections of nn.MultiheadAttention"
 MHA_NOTE = (
@@ -200,11 +203,15 @@ def plan_conversion(
     report = ConversionReport(backend)
     targets: List[Tuple[str, nn.Module]] = []
     attention = _attention_modules(model) if nn.Linear in eligible else {}
+    adapters = _adapter_modules(model)
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) or has_gemm_counter(module):
             report.linears.append(fqn)
         if is_converted(module):
             report.skip(fqn or "<root>", "already converted", ALREADY)
+            continue
+        if fqn in adapters:
+            report.skip(fqn, ADAPTER_NOTE, ADAPTER)
             continue
         if fqn in attention:
             report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
@@ -247,6 +254,21 @@ def _attention_modules(model: nn.Module) -> Dict[str, str]:
             found[f"{fqn}.out_proj" if fqn else "out_proj"] = (
                 f"out_proj of nn.MultiheadAttention {fqn or '<root>'!r}: {MHA_NOTE}; {MHA_ADVICE}"
             )
+    return found
+
+
+def _adapter_modules(model: nn.Module) -> set:
+    """The fqns of LoRA adapter modules: the members of the `lora_A` / `lora_B` ModuleDicts of a
+    PEFT LoRA layer (a module holding a `base_layer` beside them). Found by shape, so peft itself
+    is never imported."""
+    found = set()
+    for fqn, module in model.named_modules():
+        if not isinstance(getattr(module, "base_layer", None), nn.Module):
+            continue
+        for side in ("lora_A", "lora_B"):
+            adapters = getattr(module, side, None)
+            if isinstance(adapters, nn.ModuleDict):
+                found.update(f"{fqn}.{side}.{name}" if fqn else f"{side}.{name}" for name in adapters)
     return found
 
 

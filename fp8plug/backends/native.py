@@ -66,7 +66,10 @@ class _FP8Linear(torch.autograd.Function):
     """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden.
 
     Forward is given x and w already cast (as is and transposed, by `_cast`) and saves only the
-    transposed copies backward needs. `grad_record` is the module's recorded grad_output amax. It
+    transposed copies backward needs. A frozen weight (LoRA's base layers) gets no gradient: its
+    layer's input comes without the transposed copy (x_t None), and backward runs neither the
+    weight-gradient GEMM nor grad_output's transposed cast; likewise an input that needs no
+    gradient (the first layer's) gets no input-gradient GEMM. `grad_record` is the module's recorded grad_output amax. It
     is kept on ctx rather than saved with save_for_backward: several calls of one layer before one
     backward all write into it, and a saved tensor written in place would fail autograd's version
     check."""
@@ -95,24 +98,32 @@ class _FP8Linear(torch.autograd.Function):
         # the current amax's
         delayed = grad_mode == "delayed"
         g_fp8, g_t, g_scale, g_amax = _cast(grad_out, bwd_dtype, delayed, grad_scale,
-                                             grad_scale > 0 if delayed else None, margin)
+                                             grad_scale > 0 if delayed else None, margin,
+                                             transposed=ctx.needs_input_grad[1])
         if ctx.grad_record is not None:
             record_amax(ctx.grad_record, g_amax)
         x_dtype, w_dtype = ctx.dtypes
-        if override[1]:
+        if not ctx.needs_input_grad[0]:
+            grad_x = None
+        elif override[1]:
             grad_x = grad_out.to(out_dtype) @ high[1].to(out_dtype)
         else:
             grad_x = _scaled_mm(g_fp8, w_t.t(), g_scale, w_scale, out_dtype, False)
-        if override[2]:
+        if not ctx.needs_input_grad[1]:
+            grad_w = None
+        elif override[2]:
             grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
         else:  # written in the weight's own dtype (fp32 master weights): no extra cast pass over it
             wgrad_dtype = w_dtype if w_dtype in (torch.float32, torch.bfloat16, torch.float16) else out_dtype
             grad_w = _scaled_mm(g_t, x_t.t(), g_scale, x_scale, wgrad_dtype, False)
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None, None, None
+        grad_x = None if grad_x is None else grad_x.to(x_dtype)
+        grad_w = None if grad_w is None else grad_w.to(w_dtype)
+        return grad_x, grad_w, None, None, None, None, None
 
 
-def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
-    """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|).
+def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
+    """(t in FP8, its transpose in FP8 and contiguous (None unless `transposed`), the scale used,
+    max |t|).
 
     Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
     `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A delayed
@@ -130,7 +141,7 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin):
     # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
     # contiguous. Transposing right after the cast lets the compiler write both layouts from one
     # read of the high-precision tensor.
-    return t_fp8, t_fp8.t().contiguous(), scale, amax
+    return t_fp8, t_fp8.t().contiguous() if transposed else None, scale, amax
 
 
 class NativeFP8Linear(nn.Linear):
@@ -234,7 +245,9 @@ class NativeFP8Linear(nn.Linear):
 
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        *x_cast, x_amax = self._cast_operand(INPUT, x2)
+        # the input's transposed copy feeds only the weight gradient: none for a frozen weight
+        wgrad = self.weight.requires_grad and torch.is_grad_enabled()
+        *x_cast, x_amax = self._cast_operand(INPUT, x2, transposed=wgrad)
         *w_cast, w_amax = self._cast_operand(WEIGHT, self.weight)
         grad_record = None
         if self.delayed and self.training:  # only delayed tensors keep a history
@@ -258,13 +271,13 @@ class NativeFP8Linear(nn.Linear):
             out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _cast_operand(self, slot: int, t: torch.Tensor):
-        """(FP8, transposed FP8, scale, amax) of forward operand `slot` (INPUT or WEIGHT): scaled by
-        its own amax (dynamic, or delayed before the slot's first update), else by the scale set
-        at the end of the last step."""
+    def _cast_operand(self, slot: int, t: torch.Tensor, transposed: bool = True):
+        """(FP8, transposed FP8 or None, scale, amax) of forward operand `slot` (INPUT or WEIGHT):
+        scaled by its own amax (dynamic, or delayed before the slot's first update), else by the
+        scale set at the end of the last step."""
         delayed = self.delayed_slots[slot]
         return _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot], self.fp8_step[slot] > 0 if delayed else None,
-                     self.margin)
+                     self.margin, transposed)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
