@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -82,7 +83,7 @@ def save_state(accelerator: "Accelerator", accelerate_save, output_dir, safe_ser
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     logger.info("fp8plug: checkpoint %s is complete", final)
-    return final
+    return Path(final)
 
 
 def load_state(accelerator: "Accelerator", accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):
