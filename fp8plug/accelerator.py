@@ -12,7 +12,8 @@ own engines, and `accelerate launch` hands it FP8 settings it cannot read (a low
   optimizers pointing at the converted parameters, wraps the forward in the engine's autocast,
   and runs the engine's work after each optimizer step;
 - state dicts stay the plain architecture's, and `save_state`/`load_state` carry the FP8 scaling
-  state too (fp8plug.checkpoint).
+  state too, with its recipe; a save is whole or refused, a refused load changes nothing
+  (fp8plug.resume, fp8plug.checkpoint).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_stat
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
 from . import deepspeed as ds
+from . import resume
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
 
@@ -112,7 +114,7 @@ class Accelerator(accelerate.Accelerator):
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
         self._fp8_step_hooks: Dict[tuple, object] = {}
-        # the converted models' FP8 scaling state: save_state writes it; Trainer checkpoints store its state_dict()
+        # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
             self.fp8_selection = select_backend(recipe.backend, device=self.device, compiled=self._compiles_model())
@@ -121,8 +123,7 @@ class Accelerator(accelerate.Accelerator):
             if self.fp8_selection.mode and is_main_process():
                 logger.info("fp8plug: FP8 engine %s", self.fp8_selection.summary())
             self.fp8_engine.check_recipe(recipe)  # a recipe the engine refuses fails here, not mid-prepare
-            self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models)
-            self.register_for_checkpointing(self.fp8_checkpoint_state)
+            self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models, recipe)
             if ds.is_deepspeed(self):
                 ds.check_engine(self)
 
@@ -323,6 +324,19 @@ class Accelerator(accelerate.Accelerator):
                 inner.forward = original
             return unwrapped
         return super().unwrap_model(model, keep_fp32_wrapper=False, keep_torch_compile=keep_torch_compile)
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """accelerate's save_state, plus the FP8 scaling state and its recipe (`fp8_state.pt`); written
+        whole or not at all: a kill at any point leaves the old checkpoint or the new one
+        (fp8plug.resume). Returns the checkpoint's directory."""
+        return resume.save_state(self, super().save_state, output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir=None, load_kwargs=None, *, fp8_state: str = "saved", **load_model_func_kwargs):
+        """accelerate's load_state, plus the FP8 scaling state, from a complete checkpoint only (the
+        latest complete one with automatic checkpoint naming), checked first: a refused load
+        changes nothing. `fp8_state="fresh"` leaves the FP8 scaling state as a new run's (to resume
+        under a deliberately changed recipe)."""
+        return resume.load_state(self, super().load_state, input_dir, load_kwargs, fp8_state, **load_model_func_kwargs)
 
     def get_state_dict(self, model, unwrap=True):
         """accelerate's get_state_dict with the plain architecture's keys (no engine entries)."""

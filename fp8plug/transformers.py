@@ -31,11 +31,10 @@ import transformers
 import transformers.trainer as _trainer_module
 
 from .accelerator import Accelerator
+from .checkpoint_dir import FP8_STATE_NAME, read_fp8_state
 from .recipe import FP8RecipeKwargs
 
 logger = logging.getLogger("fp8plug")
-
-FP8_STATE_NAME = "fp8_state.pt"
 
 
 class FP8TrainerMixin:
@@ -115,20 +114,31 @@ class FP8TrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Trainer's optimizer and scheduler, plus the FP8 scaling state (the model is converted
-        by now: Trainer calls this after `prepare`)."""
-        super()._load_optimizer_and_scheduler(checkpoint)
+        by now: Trainer calls this after `prepare`). The FP8 state is read (without pickle) and
+        checked against this run's recipe before the optimizer is touched, so a refusal leaves
+        the optimizer and scheduler as they were."""
         state = self.accelerator.fp8_checkpoint_state
-        if checkpoint is None or state is None:
-            return
-        path = os.path.join(checkpoint, FP8_STATE_NAME)
-        if not os.path.isfile(path):
-            logger.warning(
-                "%s has no %s (a checkpoint written without FP8, or by another trainer): the FP8 scaling "
-                "state starts afresh, so the resumed run will not match one that never stopped.",
-                checkpoint, FP8_STATE_NAME,
-            )
-            return
-        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        saved = None
+        if checkpoint is not None and state is not None:
+            path = os.path.join(checkpoint, FP8_STATE_NAME)
+            if os.path.isfile(path):
+                saved = read_fp8_state(path)
+                state.check(saved, where=f"the FP8 state in {checkpoint}")
+            else:
+                logger.warning(
+                    "%s has no %s (a checkpoint written without FP8, or by another trainer): the FP8 scaling "
+                    "state starts afresh, so the resumed run will not match one that never stopped.",
+                    checkpoint, FP8_STATE_NAME,
+                )
+        before = state.snapshot() if saved is not None else None
+        if saved is not None:
+            state.load_state_dict(saved)  # the engine checks converted layers and shapes; all or nothing
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except BaseException:
+            if before is not None:
+                state.restore(before)
+            raise
 
     # logging -----------------------------------------------------------------------------------
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:

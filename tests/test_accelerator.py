@@ -366,7 +366,7 @@ def test_load_state_with_another_backend_or_model_count_is_an_error(tmp_path):
     model, optimizer = model_and_optimizer()
     model, optimizer = acc.prepare(model, optimizer)
     acc.save_state(tmp_path / "ckpt")
-    state = [o for o in acc._custom_objects if hasattr(o, "engine")][0]
+    state = acc.fp8_checkpoint_state
     saved = state.state_dict()
     with pytest.raises(ValueError, match="backend 'te'"):
         state.load_state_dict({**saved, "backend": "te"})

@@ -150,6 +150,20 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, backend, caplog):
         assert "has no fp8_state.pt" in caplog.text and "starts afresh" in caplog.text
 
 
+def test_resume_under_another_recipe_is_refused(tmp_path):
+    # the FP8 state is saved with its recipe; another margin would resume with wrong scales
+    def trainer(out, **recipe):
+        fresh()
+        args = arguments(out, max_steps=2, save_strategy="steps", save_steps=2)
+        return FP8Trainer(model=tiny_llama(), args=args, train_dataset=Counting(8),
+                          fp8_recipe=FP8RecipeKwargs(backend="native", amax_history_len=4, **recipe))
+
+    trainer(tmp_path / "full").train()
+    resumed = trainer(tmp_path / "resumed", margin=1)
+    with pytest.raises(ValueError, match=r"margin=0 \(this run: 1\)"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+
+
 def test_evaluate_before_train_still_trains_in_fp8(tmp_path):
     trainer = FP8Trainer(model=tiny_llama(), args=arguments(tmp_path, max_steps=2), train_dataset=Counting(8),
                          eval_dataset=Counting(4, seed=1), fp8_recipe=FP8RecipeKwargs(backend="native"))
