@@ -143,6 +143,12 @@ def build_model(spec: dict, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
+    if spec.get("lora"):  # PEFT LoRA on every projection: the base frozen, the adapters trained
+        import peft
+
+        lora = peft.LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"],
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = peft.get_peft_model(model, lora)
     return model.train()
 
 
@@ -199,7 +205,8 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
                       dynamo_backend="inductor" if mode == "compiled" else "no")
     model = build_model(spec, accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=accelerator.device.type == "cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
     warmup = max(1, steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -362,7 +369,8 @@ def table(meta: dict, rows: list) -> str:
     lines = [
         f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
         f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
-        f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}",
+        f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}"
+        + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else ""),
         f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
@@ -385,7 +393,7 @@ def versions() -> dict:
     import platform
 
     out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine"):
+    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine", "peft"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -427,13 +435,17 @@ def parse_args(argv=None):
                    help="print one table from earlier --json files (later files win per row) and run nothing")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="on a GPU, profile N more steps after the timed ones (kernel groups and top kernels in the JSON)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="fine-tune a PEFT LoRA of rank R on every projection (base frozen) instead of the whole model")
     p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.spec = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in PRESETS[args.preset].items()}
     bad = [k for k, v in args.spec.items() if v < 1]
-    if bad or args.steps < 2:
-        p.error(f"--{bad[0] if bad else 'steps'} must be at least {1 if bad else 2}")
+    if bad or args.steps < 2 or args.lora < 0:
+        p.error(f"--{bad[0] if bad else 'steps' if args.steps < 2 else 'lora'} must be at least "
+                f"{1 if bad else 2 if args.steps < 2 else 0}")
+    args.spec["lora"] = args.lora
     if args.lr is None:
         args.lr = 3e-3 if args.preset == "toy" else 3e-4
     if args.warmup is None:
