@@ -11,6 +11,10 @@ nn.MultiheadAttention is reported, never converted: F.multi_head_attention_forwa
 Q/K/V and output projections from the bare weights (in_proj_weight, out_proj.weight) without
 calling a Linear module, so an FP8 module put there would never run.
 
+A module registered under several names (`m.a = m.b = linear`) is one module: it is planned once,
+under its first name, and its replacement is put under every name (`module_paths`,
+`replace_module`), so no name keeps running the old module in high precision.
+
 Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.coverage), so what ran in FP8
 can be read back while training.
 """
@@ -190,7 +194,8 @@ def plan_conversion(
     """
     check_convertible(model)
     ignore = set(modules_to_ignore or ())
-    names = {name for name, _ in model.named_modules()}
+    paths = module_paths(model)
+    names = {name for aliases in paths.values() for name in aliases}
     unknown = sorted(ignore - names)
     if unknown:
         raise ConversionError(
@@ -217,7 +222,7 @@ def plan_conversion(
                     "forward; only exact types are converted"
                 ), SUBCLASS, type(module).__name__)
             continue
-        if fqn in ignore:
+        if ignore.intersection(paths.get(fqn, ())):  # under any of its names
             report.skip(fqn, "listed in modules_to_ignore", IGNORED)
             continue
         problem = check(module)
@@ -270,13 +275,29 @@ def plain_linear(like: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parame
     return plain
 
 
-def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    """Put `new` where `fqn` is in `model` (the root itself cannot be replaced in place)."""
+def module_paths(model: nn.Module) -> Dict[str, List[str]]:
+    """Every name of each module, keyed by its first name (the one `named_modules()` gives): one
+    module registered twice (`m.a = m.b = linear`, a block shared between two places) has two.
+    Replacing a module must replace it under every name, or the other name keeps the old one."""
+    first: Dict[int, str] = {}
+    paths: Dict[str, List[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(first.setdefault(id(module), fqn), []).append(fqn)
+    return paths
+
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module, paths: Optional[Dict[str, List[str]]] = None) -> None:
+    """Put `new` where `fqn` is in `model`, and under every other name of the module there
+    (`paths`, from module_paths taken before any replacement, or worked out now), so that aliases
+    keep pointing at one module. The root itself cannot be replaced in place."""
     if not fqn:
         raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
-    parent_name, _, child = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+    if paths is None:
+        paths = module_paths(model)
+    for path in paths.get(fqn, [fqn]):
+        parent_name, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
 
 
 def swap_modules(
@@ -285,10 +306,11 @@ def swap_modules(
     build: Callable[[nn.Module], nn.Module],
     report: ConversionReport,
 ) -> ConversionReport:
-    """Replace each target by `build(module)`, recording it as converted."""
+    """Replace each target by `build(module)` under all its names, recording it as converted."""
+    paths = module_paths(model)
     for fqn, module in targets:
         new = build(module)
-        replace_module(model, fqn, new)
+        replace_module(model, fqn, new, paths)
         record_converted(model, fqn, module, new, report)
     return report
 
