@@ -178,15 +178,30 @@ class NativeFP8Linear(nn.Linear):
         self.amax_compute_algo = amax_compute_algo
         self.override_linear_precision = tuple(override_linear_precision)
         self.reduce_amax = bool(reduce_amax)
-        device = self.weight.device
-        length = int(amax_history_len) if self.delayed else 1
+        self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
+        if self.delayed:
+            track_for_sync(self)  # a layer built directly is synced like a converted model
+            fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
+
+    def _fresh_fp8_state(self, length: int, device) -> None:
+        """(Re)make the scaling buffers as a new layer has them: no history, scale 1, no update
+        yet, nothing recorded."""
         self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("fp8_amax_recorded", torch.full((3,), NOT_RECORDED, device=device), persistent=False)
-        if self.delayed:
-            track_for_sync(self)  # a layer built directly is synced like a converted model
-            fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
+
+    def materialise_fp8_state(self) -> None:
+        """Give a layer converted on the meta device real scaling state once its weight is real.
+
+        Large models are built on `meta`, converted, and only then given memory: `to_empty()`
+        (handled in `_apply`) or weights assigned one by one (`load_state_dict(assign=True)`,
+        accelerate's `init_empty_weights` + `set_module_tensor_to_device`, transformers'
+        low-memory loading), which leaves these non-persistent buffers on `meta`. Called before
+        anything reads the state (forward, the end-of-step update, fp8_state); a no-op otherwise,
+        and a static check under torch.compile."""
+        if self.fp8_scale.is_meta and not self.weight.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.weight.device)
 
     def delayed_settings(self) -> DelayedSettings:
         fp8_max = (FP8_MAX[self.fwd_dtype], FP8_MAX[self.fwd_dtype], FP8_MAX[self.bwd_dtype])
@@ -194,9 +209,14 @@ class NativeFP8Linear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
-        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only."""
+        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only. State
+        coming off the meta device (`to_empty()`) is whatever memory held: it starts afresh."""
         kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_recorded")}
+        was_meta = self.fp8_scale.is_meta
         super()._apply(fn, recurse)
+        if was_meta and not self.fp8_scale.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.fp8_scale.device)
+            return self
         for name, before in kept.items():
             after = self._buffers[name]
             if after.dtype != torch.float32:
@@ -229,6 +249,7 @@ class NativeFP8Linear(nn.Linear):
         return x.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.materialise_fp8_state()
         if not self.runs_fp8(x):
             return super().forward(x)
         # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
@@ -306,6 +327,7 @@ def _delayed_layers(models) -> List[NativeFP8Linear]:
     for model in models:
         for module in model.modules():
             if isinstance(module, NativeFP8Linear) and module.delayed:
+                module.materialise_fp8_state()
                 seen.setdefault(id(module), module)
     return list(seen.values())
 
@@ -435,11 +457,11 @@ class NativeBackend(Backend):
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
-        return {
-            fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
-            for fqn, module in model.named_modules()
-            if isinstance(module, NativeFP8Linear)
-        }
+        modules = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)]
+        for _, module in modules:
+            module.materialise_fp8_state()
+        return {fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
+                for fqn, module in modules}
 
     def load_fp8_state(self, model: nn.Module, state: dict) -> None:
         modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)}
@@ -452,6 +474,7 @@ class NativeBackend(Backend):
             )
         for fqn, buffers in state.items():
             module = modules[fqn]
+            module.materialise_fp8_state()
             for name in STATE_BUFFERS:
                 target = getattr(module, name)
                 saved = buffers.get(name)
