@@ -130,6 +130,26 @@ class ConversionError(ValueError):
     """A model that cannot be converted as asked (wrapped already, or a bad module name)."""
 
 
+def refuse_unusable_linear(fqn: str, module: nn.Linear) -> None:
+    """Refuse, before anything is swapped (so the model is never half converted), an nn.Linear no
+    engine can run: no weight Parameter, or weights in a dtype FP8 training does not start from."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        found = "no weight" if weight is None else f"a {type(weight).__name__} as weight"
+        raise ConversionError(
+            f"cannot convert {fqn!r} to FP8: this nn.Linear has {found}, not a weight Parameter; "
+            f"give it one, or leave it in high precision with modules_to_ignore=[{fqn!r}]."
+        )
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConversionError(
+            f"cannot convert {fqn!r} to FP8: its weight is {weight.dtype}, and FP8 training starts from "
+            "float32, bfloat16 or float16 weights; cast the model first (model.float() or "
+            f"model.to(torch.bfloat16)), or leave it in high precision with modules_to_ignore=[{fqn!r}]."
+        )
+
+
 def linear_alignment_problem(module: nn.Linear) -> Optional[str]:
     """Why an nn.Linear cannot run FP8 GEMMs, or None if its shape is fine."""
     bad = [
@@ -225,6 +245,8 @@ def plan_conversion(
         if ignore.intersection(paths.get(fqn, ())):  # under any of its names
             report.skip(fqn, "listed in modules_to_ignore", IGNORED)
             continue
+        if isinstance(module, nn.Linear):
+            refuse_unusable_linear(fqn, module)
         problem = check(module)
         if problem:
             report.skip(fqn, problem, NOT_ELIGIBLE, problem.split(" (")[0])
