@@ -186,6 +186,14 @@ class Accelerator(accelerate.Accelerator):
             i for i, obj in enumerate(args)
             if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False)
         ]
+        for i, obj in enumerate(args):
+            if isinstance(obj, nn.Module) and i not in new_models and not self._prepared_here(obj):
+                raise ConversionError(
+                    f"prepare(): argument {i}: {type(obj).__name__} was already prepared by another Accelerator, "
+                    "so this one's FP8 recipe would not apply to it, its FP8 state would not be saved and "
+                    "fp8_coverage() would not count it; prepare the plain model with one fp8plug.Accelerator "
+                    "only (keep using the one that prepared it, or build the model again)."
+                )
         for i in new_models:
             check_convertible(args[i], f"prepare(): argument {i}: ")
         deepspeed = ds.is_deepspeed(self)
@@ -206,6 +214,13 @@ class Accelerator(accelerate.Accelerator):
         if deepspeed:  # the step hook goes on DeepSpeed's engine instead (fp8plug.deepspeed)
             ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
         return result
+
+    def _prepared_here(self, model: nn.Module) -> bool:
+        """Whether this Accelerator prepared `model` (as given back, or the model inside its
+        DDP/compile wrappers): a model another Accelerator prepared is refused by prepare()."""
+        inner = accelerate.utils.extract_model_from_parallel(model)
+        inner = getattr(inner, "_orig_mod", inner)
+        return any(m is model or m is inner for m in list(self._models) + self._fp8_models)
 
     def _convert(self, model: nn.Module, optimizers, placement) -> nn.Module:
         """Convert one model (once), keep optimizers on its parameters, wrap its forward."""

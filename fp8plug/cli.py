@@ -16,9 +16,9 @@ def env_report(device=None) -> str:
     import accelerate
 
     from .backends import BackendUnavailableError, select_backend
-    from .hardware import device_info
+    from .hardware import device_info, parse_device
 
-    info = device_info(device)
+    info = device_info(parse_device(device))
     lines = [
         f"Python       {platform.python_version()} ({sys.executable})",
         f"torch        {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
@@ -81,7 +81,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bench_module.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "env":
-        print(env_report(args.device))
+        try:
+            report = env_report(args.device)
+        except ValueError as exc:  # a bad --device: one line, not a traceback
+            print(f"fp8plug env: {exc}", file=sys.stderr)
+            return 2
+        print(report)
         return 0
     return bench_module.run(args)
 

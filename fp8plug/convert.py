@@ -11,6 +11,10 @@ nn.MultiheadAttention is reported, never converted: F.multi_head_attention_forwa
 Q/K/V and output projections from the bare weights (in_proj_weight, out_proj.weight) without
 calling a Linear module, so an FP8 module put there would never run.
 
+A module registered under several names (`m.a = m.b = linear`) is one module: it is planned once,
+under its first name, and its replacement is put under every name (`module_paths`,
+`replace_module`), so no name keeps running the old module in high precision.
+
 Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.coverage), so what ran in FP8
 can be read back while training.
 """
@@ -129,6 +133,26 @@ class ConversionError(ValueError):
     """A model that cannot be converted as asked (wrapped already, or a bad module name)."""
 
 
+def refuse_unusable_linear(fqn: str, module: nn.Linear) -> None:
+    """Refuse, before anything is swapped (so the model is never half converted), an nn.Linear no
+    engine can run: no weight Parameter, or weights in a dtype FP8 training does not start from."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        found = "no weight" if weight is None else f"a {type(weight).__name__} as weight"
+        raise ConversionError(
+            f"cannot convert {fqn!r} to FP8: this nn.Linear has {found}, not a weight Parameter; "
+            f"give it one, or leave it in high precision with modules_to_ignore=[{fqn!r}]."
+        )
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConversionError(
+            f"cannot convert {fqn!r} to FP8: its weight is {weight.dtype}, and FP8 training starts from "
+            "float32, bfloat16 or float16 weights; cast the model first (model.float() or "
+            f"model.to(torch.bfloat16)), or leave it in high precision with modules_to_ignore=[{fqn!r}]."
+        )
+
+
 def linear_alignment_problem(module: nn.Linear) -> Optional[str]:
     """Why an nn.Linear cannot run FP8 GEMMs, or None if its shape is fine."""
     bad = [
@@ -193,7 +217,8 @@ def plan_conversion(
     """
     check_convertible(model)
     ignore = set(modules_to_ignore or ())
-    names = {name for name, _ in model.named_modules()}
+    paths = module_paths(model)
+    names = {name for aliases in paths.values() for name in aliases}
     unknown = sorted(ignore - names)
     if unknown:
         raise ConversionError(
@@ -224,9 +249,11 @@ def plan_conversion(
                     "forward; only exact types are converted"
                 ), SUBCLASS, type(module).__name__)
             continue
-        if fqn in ignore:
+        if ignore.intersection(paths.get(fqn, ())):  # under any of its names
             report.skip(fqn, "listed in modules_to_ignore", IGNORED)
             continue
+        if isinstance(module, nn.Linear):
+            refuse_unusable_linear(fqn, module)
         problem = check(module)
         if problem:
             report.skip(fqn, problem, NOT_ELIGIBLE, problem.split(" (")[0])
@@ -292,13 +319,29 @@ def plain_linear(like: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parame
     return plain
 
 
-def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    """Put `new` where `fqn` is in `model` (the root itself cannot be replaced in place)."""
+def module_paths(model: nn.Module) -> Dict[str, List[str]]:
+    """Every name of each module, keyed by its first name (the one `named_modules()` gives): one
+    module registered twice (`m.a = m.b = linear`, a block shared between two places) has two.
+    Replacing a module must replace it under every name, or the other name keeps the old one."""
+    first: Dict[int, str] = {}
+    paths: Dict[str, List[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(first.setdefault(id(module), fqn), []).append(fqn)
+    return paths
+
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module, paths: Optional[Dict[str, List[str]]] = None) -> None:
+    """Put `new` where `fqn` is in `model`, and under every other name of the module there
+    (`paths`, from module_paths taken before any replacement, or worked out now), so that aliases
+    keep pointing at one module. The root itself cannot be replaced in place."""
     if not fqn:
         raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
-    parent_name, _, child = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+    if paths is None:
+        paths = module_paths(model)
+    for path in paths.get(fqn, [fqn]):
+        parent_name, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new)
 
 
 def swap_modules(
@@ -307,10 +350,11 @@ def swap_modules(
     build: Callable[[nn.Module], nn.Module],
     report: ConversionReport,
 ) -> ConversionReport:
-    """Replace each target by `build(module)`, recording it as converted."""
+    """Replace each target by `build(module)` under all its names, recording it as converted."""
+    paths = module_paths(model)
     for fqn, module in targets:
         new = build(module)
-        replace_module(model, fqn, new)
+        replace_module(model, fqn, new, paths)
         record_converted(model, fqn, module, new, report)
     return report
 

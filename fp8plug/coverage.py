@@ -45,18 +45,35 @@ class GemmCounter:
     A picklable object (not a closure) so converted models still pickle; it keeps the engine's
     name and looks the engine up again after unpickling."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, on_meta: bool = False):
         self.backend = backend
         self._engine = _engine(backend)
+        # counts made on the meta device hold whatever memory held once materialised (to_empty)
+        self.on_meta = on_meta
 
     def __getstate__(self):
-        return {"backend": self.backend}
+        return {"backend": self.backend, "on_meta": self.on_meta}
 
     def __setstate__(self, state):
         self.backend = state["backend"]
+        self.on_meta = state.get("on_meta", False)
         self._engine = _engine(self.backend)
 
+    def settle(self, module: nn.Module) -> None:
+        """Zero counts that were made on the meta device and have since been given memory (or make
+        them, where the weights were assigned and the counts left behind on meta)."""
+        if not self.on_meta:
+            return
+        counts = module._buffers[COUNTS]
+        weight = next((p for p in module.parameters(recurse=False)), None)
+        if counts.is_meta and (weight is None or weight.is_meta):
+            return
+        device = weight.device if counts.is_meta else counts.device
+        module._buffers[COUNTS] = torch.zeros(2, dtype=torch.int64, device=device)
+        self.on_meta = False
+
     def __call__(self, module: nn.Module, args, kwargs):
+        self.settle(module)
         x = args[0] if args else next(iter(kwargs.values()), None)
         fp8 = bool(self._engine.runs_fp8(module, x))
         if not (fp8 or module.training):
@@ -89,7 +106,8 @@ def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> b
         return False
     device = next((p.device for p in module.parameters(recurse=False)), None)
     module.register_buffer(COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
-    module.register_forward_pre_hook(GemmCounter(backend), with_kwargs=True)
+    module.register_forward_pre_hook(GemmCounter(backend, on_meta=device is not None and device.type == "meta"),
+                                     with_kwargs=True)
     from .convert import ignore_in_ddp  # convert imports this module
 
     ignore_in_ddp(root, [f"{fqn}.{COUNTS}" if fqn else COUNTS])
@@ -121,6 +139,10 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
     Reading costs one device synchronisation. A model with no counted layer gives zeros and {}.
     """
     model = _unwrap(model)
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
+            if isinstance(hook, GemmCounter):
+                hook.settle(module)
     found = [(fqn, m._buffers[COUNTS]) for fqn, m in model.named_modules() if has_gemm_counter(m)]
     found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
     layers: Dict[str, Tuple[int, int]] = {}

@@ -30,6 +30,26 @@ class DeviceInfo:
         return f"{self.name} (CPU)"
 
 
+def parse_device(text, option: str = "--device") -> torch.device:
+    """The device a command line names (None: CUDA if present, else the CPU), or a ValueError
+    naming `option` and what to give instead: an unknown name, a device kind other than cuda or
+    cpu, or cuda where this torch has no CUDA GPU."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(str(text).strip())
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{option}: {text!r} is not a device; use cuda, cuda:N or cpu.") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{option}: {device.type!r} is not supported; use cuda or cpu.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        built = "has no CUDA support" if torch.version.cuda is None else "sees no CUDA GPU"
+        raise ValueError(f"{option}: cuda asked for, but torch {torch.__version__} {built}; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{option}: {text!r} does not exist: torch sees {torch.cuda.device_count()} CUDA GPU(s).")
+    return device
+
+
 def device_info(device=None) -> DeviceInfo:
     """Describe `device` (default: the current CUDA device if there is one, else the CPU)."""
     if device is None:

@@ -228,7 +228,42 @@ class FP8RecipeKwargs(KwargsHandler):
     def __post_init__(self):
         self._forget_inherited()
         self._resolve(os.environ)
-        self._validate()
+        self._checked()
+        object.__setattr__(self, "_constructed", True)
+
+    def __setattr__(self, name, value):
+        """A field assigned after construction is checked as at construction (and becomes
+        explicit): `recipe.amax_history_len = 0` or `recipe.margin = 40` fails here, naming the
+        field, instead of at the first step or as a silent 98% error. A bad value leaves the
+        recipe as it was. None resolves the field again from the environment and the defaults."""
+        if name not in _field_names() or not self.__dict__.get("_constructed") or self.__dict__.get("_checking"):
+            object.__setattr__(self, name, value)
+            return
+        before = dict(self.__dict__)
+        try:
+            object.__setattr__(self, name, value)
+            if value is None and name in ENV_NAMES:
+                self._explicit_fields = self._explicit_fields - {name}
+                self._sources.pop(name, None)
+                resolved = _env_value(name, os.environ)
+                object.__setattr__(self, name, resolved if resolved is not None else DEFAULTS[name])
+            else:
+                self._explicit_fields = self._explicit_fields | {name}
+                self._sources.pop(name, None)
+            self._checked()
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    def _checked(self) -> None:
+        """Validate every field (the values it canonicalises are written without coming back
+        here) and remember what the recipe resolved to."""
+        object.__setattr__(self, "_checking", True)
+        try:
+            self._validate()
+        finally:
+            object.__setattr__(self, "_checking", False)
         self._resolved = _Resolved({name: getattr(self, name) for name in _field_names()}, self._explicit_fields)
 
     def _forget_inherited(self) -> None:

@@ -12,6 +12,9 @@ those of the original forward.
 
 A step whose amax is NaN or infinite (an overflowing batch that the loss scaler or the user
 skips) leaves history and scale untouched, so the next good step scales as if it never happened.
+A skipped step has no optimizer step, so no end-of-step update clears what it recorded: the next
+training forward of the model does (`forget_bad_step`), for every layer, the finite amaxes of
+layers before the one that went bad included; the next good step then records only its own.
 Scales are kept inside float32's normal range, so a tiny or zero amax gives finite values.
 """
 
@@ -63,15 +66,44 @@ def delayed_scale(prev_scale: torch.Tensor, use_prev: torch.Tensor, amax: torch.
 
 
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scale, saturate to the format's range, and cast to FP8."""
+    """Scale, saturate finite values to the format's range, and cast to FP8.
+
+    A value that is not finite once scaled (inf or NaN in `t`) becomes NaN, not the largest FP8
+    value: a bad batch must give a non-finite output and loss, as it does in bf16, or the usual
+    `isfinite(loss)` check never fires and the batch is trained on. NaN for inf too, since E4M3
+    has no inf (and the one-pass CUDA cast, backends._fused_cast, writes the same bytes)."""
     limit = FP8_MAX[dtype]
-    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+    scaled = t.float() * scale
+    return torch.where(torch.isfinite(scaled), scaled.clamp(-limit, limit), torch.nan).to(dtype)
 
 
 def record_amax(recorded: torch.Tensor, amax: torch.Tensor) -> None:
     """Fold this call's amax into the step's recorded amax, in place (max; NaN sticks, so a bad
     step is recognised when the step ends)."""
     recorded.copy_(torch.maximum(recorded, amax))
+
+
+def forget_bad_step(recorded: Sequence[torch.Tensor]) -> None:
+    """Where any of a model's recorded amaxes (one tensor per layer) is NaN or inf since the last
+    end-of-step update, set them all back to NOT_RECORDED, in place; otherwise leave them.
+
+    Run at the start of each training forward: a non-finite amax there means the step it came
+    from was skipped (its loss was not finite), and everything that step recorded, in every
+    layer, must go, or the next good step's scale would not be the one a run without the bad batch
+    has. Branch-free (no host sync); one group of kernels per device."""
+    groups: dict = {}
+    for t in recorded:
+        groups.setdefault(t.device, []).append(t)
+    flags = {device: ~torch.isfinite(torch.stack(ts)).all() for device, ts in groups.items()}
+    first = next(iter(flags.values()), None)
+    if first is None:
+        return
+    bad = first
+    for flag in list(flags.values())[1:]:
+        bad = bad | flag.to(first.device)
+    for device, ts in groups.items():
+        stacked = torch.stack(ts)
+        write_back(ts, torch.where(bad.to(device), torch.full_like(stacked, NOT_RECORDED), stacked))
 
 
 @dataclass(frozen=True)

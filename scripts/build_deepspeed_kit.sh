@@ -20,13 +20,16 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   -d "$kit/wheels" hjson py-cpuinfo msgpack ninja einops nvidia-ml-py
 cat > "$kit/install.sh" <<'SH'
 #!/bin/bash
-# Source from the project root after .gpu/install.sh (which puts /tmp/site on PYTHONPATH):
+# Source from the project root after .gpu/install.sh:
 #     source .dskit/install.sh
+# The wheels go into $FP8PLUG_SITE, a private folder made with mktemp -d when unset (never a fixed
+# path under /tmp, where another user of a shared machine could plant modules first on PYTHONPATH).
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export FP8PLUG_SITE=${FP8PLUG_SITE:-$(mktemp -d -t fp8plug-site.XXXXXX)} || return 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$here"/wheels/*.whl || return 1
-case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
-export PATH=/tmp/site/bin:$PATH   # ninja, for ops DeepSpeed compiles on first use
+  --target "$FP8PLUG_SITE" "$here"/wheels/*.whl || return 1
+case ":$PYTHONPATH:" in *:"$FP8PLUG_SITE":*) ;; *) export PYTHONPATH=$FP8PLUG_SITE${PYTHONPATH:+:$PYTHONPATH} ;; esac
+export PATH=$FP8PLUG_SITE/bin:$PATH   # ninja, for ops DeepSpeed compiles on first use
 python3 -c "import deepspeed, torch; from deepspeed.accelerator import get_accelerator as g; print(f'dskit: deepspeed {deepspeed.__version__} on {g()._name}, torch {torch.__version__}')"
 SH
 ls -la "$kit/wheels"

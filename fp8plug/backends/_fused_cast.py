@@ -125,14 +125,19 @@ def _build():
         cols = pn.to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        y = tl.clamp(x.to(tl.float32) * scale, -FP8_LIMIT, FP8_LIMIT).to(y_ptr.dtype.element_ty)
+        # scaling.quantize's rule: finite values clamped to the range, inf and NaN made NaN
+        s = x.to(tl.float32) * scale
+        y = tl.where((s == s) & (tl.abs(s) < float("inf")), tl.clamp(s, -FP8_LIMIT, FP8_LIMIT), float("nan"))
+        y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
         if TRANSPOSE_IN_REGISTERS:
             x_t = tl.trans(x)
         else:  # loaded again in its own order (the tile is in cache by now)
             x_t = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask_t, other=0.0)
-        y_t = tl.clamp(x_t.to(tl.float32) * scale, -FP8_LIMIT, FP8_LIMIT).to(yt_ptr.dtype.element_ty)
+        s_t = x_t.to(tl.float32) * scale
+        y_t = tl.where((s_t == s_t) & (tl.abs(s_t) < float("inf")), tl.clamp(s_t, -FP8_LIMIT, FP8_LIMIT), float("nan"))
+        y_t = y_t.to(yt_ptr.dtype.element_ty)
         tl.store(yt_ptr + cols[:, None] * M + rows[None, :], y_t, mask=mask_t)
         a = tl.abs(x.to(tl.float32))
         nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..convert import (
     ALIGNMENT, ConversionError, ConversionReport, linear_alignment_problem, plain_linear, plan_conversion,
-    record_converted, replace_module,
+    module_paths, record_converted, replace_module,
 )
 from ..recipe import DEFAULTS
 from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
@@ -235,6 +235,7 @@ class AOBackend(Backend):
         if not planned:
             return report
         wanted = frozenset(planned)
+        paths = module_paths(model)  # torchao converts a module under its first name only
         convert_to_float8_training(model, module_filter_fn=lambda _module, fqn: fqn in wanted, config=config)
         cls = _float8_linear_class()
         for fqn in planned:
@@ -242,6 +243,7 @@ class AOBackend(Backend):
             if type(module) is not Float8Linear:  # pragma: no cover - torchao skipped a planned module
                 raise ConversionError(f"torchao did not convert {fqn!r} ({type(module).__name__}).")
             module.__class__ = cls  # same state, fp8plug's forward (see AOFloat8Linear)
+            replace_module(model, fqn, module, paths)  # its other names point at it too
             record_converted(model, fqn, module, module, report)
         return report
 

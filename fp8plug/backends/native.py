@@ -13,8 +13,6 @@ compiles with fullgraph=True.
 
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +32,12 @@ from ..scaling import (
     DelayedSettings,
     amax_of,
     delayed_scale,
-    encode_for_reduction,
-    fold_delayed_scaling,
     quantize,
     record_amax,
-    reduce_across_ranks,
     scale_from_amax,
-    write_back,
 )
 from . import _fused_cast as fused_cast
+from ._native_steps import _TRACKED, sync_fp8_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
 from .base import Backend, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
@@ -187,15 +182,30 @@ class NativeFP8Linear(nn.Linear):
         self.amax_compute_algo = amax_compute_algo
         self.override_linear_precision = tuple(override_linear_precision)
         self.reduce_amax = bool(reduce_amax)
-        device = self.weight.device
-        length = int(amax_history_len) if self.delayed else 1
+        self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
+        if self.delayed:
+            track_for_sync(self)  # a layer built directly is synced like a converted model
+            fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
+
+    def _fresh_fp8_state(self, length: int, device) -> None:
+        """(Re)make the scaling buffers as a new layer has them: no history, scale 1, no update
+        yet, nothing recorded."""
         self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("fp8_amax_recorded", torch.full((3,), NOT_RECORDED, device=device), persistent=False)
-        if self.delayed:
-            track_for_sync(self)  # a layer built directly is synced like a converted model
-            fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
+
+    def materialise_fp8_state(self) -> None:
+        """Give a layer converted on the meta device real scaling state once its weight is real.
+
+        Large models are built on `meta`, converted, and only then given memory: `to_empty()`
+        (handled in `_apply`) or weights assigned one by one (`load_state_dict(assign=True)`,
+        accelerate's `init_empty_weights` + `set_module_tensor_to_device`, transformers'
+        low-memory loading), which leaves these non-persistent buffers on `meta`. Called before
+        anything reads the state (forward, the end-of-step update, fp8_state); a no-op otherwise,
+        and a static check under torch.compile."""
+        if self.fp8_scale.is_meta and not self.weight.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.weight.device)
 
     def delayed_settings(self) -> DelayedSettings:
         fp8_max = (FP8_MAX[self.fwd_dtype], FP8_MAX[self.fwd_dtype], FP8_MAX[self.bwd_dtype])
@@ -203,9 +213,14 @@ class NativeFP8Linear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
-        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only."""
+        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only. State
+        coming off the meta device (`to_empty()`) is whatever memory held: it starts afresh."""
         kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_recorded")}
+        was_meta = self.fp8_scale.is_meta
         super()._apply(fn, recurse)
+        if was_meta and not self.fp8_scale.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.fp8_scale.device)
+            return self
         for name, before in kept.items():
             after = self._buffers[name]
             if after.dtype != torch.float32:
@@ -238,6 +253,7 @@ class NativeFP8Linear(nn.Linear):
         return x.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.materialise_fp8_state()
         if not self.runs_fp8(x):
             return super().forward(x)
         # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
@@ -282,88 +298,6 @@ class NativeFP8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
                 f"history={self.fp8_amax_history.shape[0]}")
-
-
-# --- the end-of-step update -----------------------------------------------------------------------
-
-# Converted models, in the order they were converted (a WeakKeyDictionary keeps insertion order),
-# so every rank walks its layers in the same order and the one all-reduce lines them up.
-_TRACKED: "weakref.WeakKeyDictionary[nn.Module, None]" = weakref.WeakKeyDictionary()
-_HOOK = []  # the handle of the optimizer step hook, once installed
-
-
-def track_for_sync(model: nn.Module) -> None:
-    """Update `model`'s delayed scaling after every step of an optimizer that trains it (through
-    a global torch optimizer step hook), whatever runs the loop: fp8plug.Accelerator, a Trainer,
-    a hand-written loop, a hand-built DDP."""
-    _TRACKED[model] = None
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
-
-
-def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
-    """Sync the converted models (and directly built layers) that `optimizer` trains: any of their
-    parameters in it, so a model with frozen FP8 layers and trainable adapters counts."""
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    models = [m for m in list(_TRACKED) if any(id(p) in stepped for p in m.parameters())]
-    if models:
-        sync_fp8_scaling(*models)
-
-
-def _delayed_layers(models) -> List[NativeFP8Linear]:
-    seen: Dict[int, NativeFP8Linear] = {}
-    for model in models:
-        for module in model.modules():
-            if isinstance(module, NativeFP8Linear) and module.delayed:
-                seen.setdefault(id(module), module)
-    return list(seen.values())
-
-
-def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
-    """End a step of delayed scaling for `models` (default: every converted model): reduce the
-    recorded amaxes (max) across the ranks of `group` (default: all ranks) in one collective for
-    all layers, push them into the histories and recompute the scales.
-
-    fp8plug runs this after every optimizer step; call it yourself only for a loop without a
-    torch optimizer. Every rank must call it the same number of times, as with any collective.
-    """
-    layers = _delayed_layers(models or list(_TRACKED))
-    if not layers:
-        return
-    with torch.no_grad():
-        recorded = encode_for_reduction(torch.stack([m.fp8_amax_recorded for m in layers]))
-        shared = [i for i, m in enumerate(layers) if m.reduce_amax]
-        if len(shared) == len(layers):
-            reduce_across_ranks(recorded, group)
-        elif shared:
-            rows = [recorded[i] for i in shared]
-            write_back(rows, reduce_across_ranks(torch.stack(rows), group))
-        batches: Dict[tuple, List[int]] = {}
-        for i, m in enumerate(layers):
-            key = (m.delayed_settings(), m.fp8_amax_history.shape, m.fp8_scale.device)
-            batches.setdefault(key, []).append(i)
-        for (settings, _, _), members in batches.items():
-            _fold_batch([layers[i] for i in members], _rows(recorded, members), settings)
-
-
-def _rows(t: torch.Tensor, indices: List[int]) -> torch.Tensor:
-    """Rows `indices` of `t`. Not `t[indices]`: indexing with a Python list copies the index to
-    the GPU from pageable memory, which blocks the host until the GPU has drained, and this runs
-    after every optimizer step."""
-    return t if len(indices) == t.shape[0] else torch.stack([t[i] for i in indices])
-
-
-def _fold_batch(layers: List[NativeFP8Linear], amax: torch.Tensor, settings: DelayedSettings) -> None:
-    history, scale, step = fold_delayed_scaling(
-        torch.stack([m.fp8_amax_history for m in layers]), torch.stack([m.fp8_scale for m in layers]),
-        torch.stack([m.fp8_step for m in layers]), amax, settings,
-    )
-    write_back([m.fp8_amax_history for m in layers], history)
-    write_back([m.fp8_scale for m in layers], scale)
-    write_back([m.fp8_step for m in layers], step)
-    write_back([m.fp8_amax_recorded for m in layers], torch.full_like(amax, NOT_RECORDED))
 
 
 # --- the engine --------------------------------------------------------------------------------------
@@ -446,11 +380,11 @@ class NativeBackend(Backend):
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
-        return {
-            fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
-            for fqn, module in model.named_modules()
-            if isinstance(module, NativeFP8Linear)
-        }
+        modules = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)]
+        for _, module in modules:
+            module.materialise_fp8_state()
+        return {fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
+                for fqn, module in modules}
 
     def load_fp8_state(self, model: nn.Module, state: dict) -> None:
         modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)}
@@ -463,6 +397,7 @@ class NativeBackend(Backend):
             )
         for fqn, buffers in state.items():
             module = modules[fqn]
+            module.materialise_fp8_state()
             for name in STATE_BUFFERS:
                 target = getattr(module, name)
                 saved = buffers.get(name)

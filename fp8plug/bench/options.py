@@ -5,10 +5,12 @@ machine. Bad input is a ValueError naming the option and the expected form."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import List, Tuple
 
 import torch
 
+from ..hardware import parse_device
 from .cases import CPU_SHAPES, LLAMA70B_SHAPES, MODES, SHAPE_PRESETS, Shape
 from .timing import TIMINGS
 
@@ -103,12 +105,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_output_path(path, option: str) -> None:
+    """A ValueError naming `option` and `path` if the results could not be written there: its
+    folder missing or not writable, or the path itself a folder."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'bench.' + option.lstrip('-'))!r}.")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}: the folder {folder!r} of {path!r} does not exist; create it first or write elsewhere.")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{option}: the folder {folder!r} of {path!r} is not writable; write elsewhere.")
+
+
 def settings(args) -> Tuple[torch.device, List[Shape], List[str], int, int]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda asked for but torch sees no CUDA GPU; use --device cpu.")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"--device: {device.type!r} is not supported; use cuda or cpu.")
+    for option, path in (("--json", getattr(args, "json_path", None)), ("--csv", getattr(args, "csv_path", None))):
+        check_output_path(path, option)  # before any measuring, not after it
+    device = parse_device(args.device)
     gpu = device.type == "cuda"
     shapes = args.shapes or (LLAMA70B_SHAPES if gpu else CPU_SHAPES)
     modes = list(args.modes or (["eager", "compiled"] if gpu else ["eager"]))

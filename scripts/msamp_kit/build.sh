@@ -1,8 +1,9 @@
 #!/bin/bash
-# Build and install MS-AMP (the msamp package and its CUDA extensions) into /tmp/site on a Hopper
+# Build and install MS-AMP (the msamp package and its CUDA extensions) into $MSAMP_SITE (default
+# $FP8PLUG_SITE, else a new private folder) on a Hopper
 # GPU machine with a current stack (torch 2.11 + CUDA 13, nvcc, ninja, no package index), then
 # smoke-check the operations opt levels O1 and O2 use. Run it from anywhere, after
-# `source .gpu/install.sh` (which puts /tmp/site on PYTHONPATH):
+# `source .gpu/install.sh`:
 #
 #     bash .msampkit/build.sh > $OUT/msamp_build.log 2>&1
 #
@@ -20,12 +21,14 @@
 #   05 smoke checks (smoke.py): import, FP8 casts, FP8 GEMM, FP8Linear, LBAdamW O1/O2 training
 set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-OUT=${OUT:-/tmp/msamp_out}
+# Private temporary folders (mktemp -d), never fixed paths under /tmp: on a shared machine another
+# user could create them first and plant modules where PYTHONPATH looks first.
+OUT=${OUT:-$(mktemp -d -t msamp_out.XXXXXX)}
 LOGS=$OUT/msamp
-SITE=${MSAMP_SITE:-/tmp/site}
-WORK=/tmp/msamp_build
+SITE=${MSAMP_SITE:-${FP8PLUG_SITE:-$(mktemp -d -t fp8plug-site.XXXXXX)}}
+export FP8PLUG_SITE=$SITE
+WORK=$(mktemp -d -t msamp_build.XXXXXX)
 mkdir -p "$LOGS" "$SITE"
-rm -rf "$WORK" && mkdir -p "$WORK"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$CUDA_HOME/bin:$PATH
@@ -188,5 +191,7 @@ step "summary ($(( $(date +%s) - started )) s)"
 for key in msamp_adamw msamp_arithmetic msamp_quantize package smoke; do
   printf '  %-18s %s\n' "$key" "${STATUS[$key]:-not run}"
 done | tee "$LOGS/summary.txt"
+echo "  installed into $SITE: use it with  export PYTHONPATH=$SITE:\$PYTHONPATH  (or pass MSAMP_SITE / FP8PLUG_SITE next time)" | tee -a "$LOGS/summary.txt"
+rm -rf "$WORK"
 # O1/O2 need msamp_adamw, the package and the smoke checks; the other two extensions are optional
 [ "${STATUS[msamp_adamw]}" = ok ] && [ "${STATUS[package]}" = ok ] && [ "${STATUS[smoke]}" = ok ]

@@ -101,3 +101,21 @@ def test_delayed_layer_on_the_fused_path_matches_the_torch_path(monkeypatch):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
     assert torch.equal(fused_scale, plain_scale) and torch.equal(fused_hist, plain_hist)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fused_cast_keeps_non_finite_values_non_finite(dtype):
+    """inf and NaN become NaN in FP8, exactly where scaling.quantize puts them, finite values
+    saturate as before: a bad batch's loss stays non-finite (tests/test_nonfinite.py)."""
+    fused_cast.load()
+    t = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    t[7, 9], t[3, 4], t[100, 200], t[11, 12] = float("inf"), float("nan"), -float("inf"), 1e6
+    prev = torch.tensor(1.0, device="cuda")
+    got = fused_cast.cast_transpose(t, prev, torch.tensor(True, device="cuda"), dtype, 0)
+    want = reference(t, prev, True, dtype, 0)
+    for g, w in zip(got[:2], want[:2]):
+        assert torch.equal(torch.isnan(g.float()), torch.isnan(w.float()))
+        assert int(torch.isnan(g.float()).sum()) == 3
+        finite = ~torch.isnan(w.float())
+        assert same_bytes(g[finite], w[finite])
+    assert got[0][11, 12].float().item() == FP8_MAX[dtype]  # a finite value still saturates
