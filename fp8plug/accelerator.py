@@ -99,10 +99,13 @@ class Accelerator(accelerate.Accelerator):
             # says "fp8" and refuses any change: keep it, accelerate runs bf16 autocast for "fp8"
             # too, and `fp8_backend` below keeps its own FP8 code off either way.
             arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
+        ds.join_cpu_processes(arguments, handlers)
         arguments["kwargs_handlers"] = handlers
         self._fp8_as_ao = False
         with ds.clearer_init_errors(fp8_on):
             super().__init__(**arguments)
+        if ds.is_deepspeed(self):
+            ds.check_processes(self)
 
         self.fp8_enabled = fp8_on
         self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe
