@@ -1,10 +1,10 @@
 """Train a small decoder-only LM with fp8plug.Accelerator, under `accelerate launch` or plain python.
 
-    accelerate launch --config_file examples/configs/cpu_fp8.yaml examples/train_accelerate.py
-    accelerate launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/train_accelerate.py
+    fp8plug launch --config_file examples/configs/cpu_fp8.yaml examples/train_accelerate.py
+    fp8plug launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/train_accelerate.py
     accelerate launch --config_file examples/configs/gpu_fp8.yaml examples/train_accelerate.py --steps 200
     accelerate launch --config_file examples/configs/2gpu_fsdp2_fp8.yaml examples/train_accelerate.py --steps 200
-    accelerate launch --config_file examples/configs/cpu_deepspeed_fp8.yaml examples/train_accelerate.py
+    fp8plug launch --config_file examples/configs/cpu_deepspeed_fp8.yaml examples/train_accelerate.py
 
 FP8 settings come from the launch configuration (`mixed_precision: fp8` and its `fp8_config:`
 section, or `--mixed_precision fp8 --fp8_backend ...` on the command line); the script only adds

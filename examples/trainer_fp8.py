@@ -7,7 +7,7 @@ few seconds with fp8plug's torch-only `native` engine; on a GPU the same script 
     python3 examples/trainer_fp8.py                       # native engine, CPU or GPU
     python3 examples/trainer_fp8.py --backend ao          # torchao float8
     python3 examples/trainer_fp8.py --compare-bf16        # also train plain Trainer(bf16=True)
-    accelerate launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/trainer_fp8.py
+    fp8plug launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/trainer_fp8.py
 
 Under `accelerate launch` the engine and recipe come from the launch config unless --backend is
 given. The last line printed is `result: {json}`: the engine, converted layers, losses, the eval

@@ -36,6 +36,7 @@ from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
+from .cpu_processes import join_cpu_processes
 from . import deepspeed as ds
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
@@ -99,7 +100,7 @@ class Accelerator(accelerate.Accelerator):
             # says "fp8" and refuses any change: keep it, accelerate runs bf16 autocast for "fp8"
             # too, and `fp8_backend` below keeps its own FP8 code off either way.
             arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
-        ds.join_cpu_processes(arguments, handlers)
+        join_cpu_processes(arguments, handlers)
         arguments["kwargs_handlers"] = handlers
         self._fp8_as_ao = False
         with ds.clearer_init_errors(fp8_on):

@@ -19,11 +19,9 @@ handles them:
   taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
   the FP8 GEMMs in bf16, and accelerate's own message would name bf16, which the user never set.
-- On a machine without GPUs, accelerate (1.15) picks no process-group backend for launched
-  DeepSpeed processes: each then counts itself as the only one while DeepSpeed runs two and
-  asserts. `cpu=True`, the usual cure, makes accelerate drop DeepSpeed without a word and run
-  plain DDP. `join_cpu_processes` asks for gloo instead, and refuses `cpu=True` (or `use_cpu:
-  true`) beside a DeepSpeed config, which would otherwise be ignored.
+- On a machine without GPUs, launched processes must be joined over gloo without `cpu=True`,
+  which would make accelerate drop DeepSpeed (fp8plug.cpu_processes); `check_processes` refuses
+  a process state that was set up earlier without a backend and counts one of several ranks.
 
 Checkpoints need nothing extra: DeepSpeed's `save_checkpoint` reads the module's state dict, which
 fp8plug keeps the plain architecture's, and the FP8 scaling state travels beside it as a registered
@@ -33,14 +31,14 @@ checkpointing object (fp8plug.checkpoint).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Iterable, List, Optional
 
-import torch
 from torch import nn
+
+from .cpu_processes import env_flag
 
 if TYPE_CHECKING:
     from .accelerator import Accelerator
@@ -65,33 +63,7 @@ def zero_stage(accelerator) -> int:
 def requested(arguments: dict) -> bool:
     """Whether accelerate.Accelerator(**arguments) would run under DeepSpeed if it could: a
     `deepspeed_plugin` argument, or a DeepSpeed launch config (ACCELERATE_USE_DEEPSPEED)."""
-    return arguments.get("deepspeed_plugin") is not None or _env_flag("ACCELERATE_USE_DEEPSPEED")
-
-
-def join_cpu_processes(arguments: dict, handlers: list) -> None:
-    """Before accelerate.Accelerator.__init__(**arguments) with DeepSpeed asked for: refuse
-    `cpu=True`, under which accelerate would run without DeepSpeed, and on a machine without any
-    accelerator, in a launched process, ask for the gloo process group (in `handlers`, in place)
-    that accelerate does not pick there itself (see the module doc)."""
-    if not requested(arguments):
-        return
-    if arguments.get("cpu") or _env_flag("ACCELERATE_USE_CPU"):
-        where = "cpu=True" if arguments.get("cpu") else "use_cpu: true (--cpu) in the launch config"
-        raise ValueError(
-            f"fp8plug.Accelerator: {where} with a DeepSpeed config would make accelerate ignore DeepSpeed "
-            "and train without it; drop it (on a machine without GPUs fp8plug joins the DeepSpeed "
-            "processes over gloo), or drop the DeepSpeed config to train with DDP."
-        )
-    if int(os.environ.get("LOCAL_RANK", "-1")) == -1 or _has_accelerator():
-        return
-    from accelerate.utils import InitProcessGroupKwargs
-
-    for i, handler in enumerate(handlers):
-        if isinstance(handler, InitProcessGroupKwargs):
-            if handler.backend in (None, "nccl"):  # accelerate's default: no GPU to run NCCL here
-                handlers[i] = dataclasses.replace(handler, backend="gloo")
-            return
-    handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    return arguments.get("deepspeed_plugin") is not None or env_flag("ACCELERATE_USE_DEEPSPEED")
 
 
 def check_processes(accelerator) -> None:
@@ -107,19 +79,6 @@ def check_processes(accelerator) -> None:
             "backend); build fp8plug.Accelerator before anything else sets that state up, or set it up over gloo "
             "(PartialState(backend='gloo'); with transformers, TrainingArguments(ddp_backend='gloo'))."
         )
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _has_accelerator() -> bool:
-    """Whether torch sees any accelerator device (CUDA or another), where accelerate picks its own
-    process-group backend."""
-    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
-    if current is None:  # pragma: no cover - torch before 2.6
-        return torch.cuda.is_available()
-    return current() is not None
 
 
 def is_partitioned(model: nn.Module) -> bool:
@@ -209,5 +168,5 @@ def _is_deepspeed_engine(obj) -> bool:
 
 __all__: List[str] = [
     "check_engine", "check_models", "check_processes", "clearer_init_errors", "hook_engine_steps",
-    "is_deepspeed", "is_partitioned", "join_cpu_processes", "requested", "zero_stage",
+    "is_deepspeed", "is_partitioned", "requested", "zero_stage",
 ]

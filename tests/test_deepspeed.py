@@ -93,10 +93,10 @@ def test_cpu_true_beside_a_deepspeed_config_is_refused_not_ignored(monkeypatch, 
     """accelerate drops DeepSpeed without a word under cpu=True (a plain DDP run, rc 0)."""
     import fp8plug
 
-    if where == "launch":  # a DeepSpeed launch config with `use_cpu: true`
+    if where == "launch":  # the variable `accelerate launch --cpu` exports
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-        kwargs, message = {}, r"use_cpu: true \(--cpu\) in the launch config with a DeepSpeed config"
+        kwargs, message = {}, r"ACCELERATE_USE_CPU=true \(accelerate launch's --cpu / use_cpu: true\) with a DeepSpeed config"
     else:
         kwargs, message = {"cpu": True, "deepspeed_plugin": _plugin()}, r"cpu=True with a DeepSpeed config"
     with pytest.raises(ValueError, match=message + r" would make accelerate ignore DeepSpeed"):
@@ -113,28 +113,37 @@ def test_deepspeed_process_state_that_counts_one_of_several_processes_is_refused
         fp8plug.Accelerator(mixed_precision="fp8", deepspeed_plugin=_plugin())
 
 
-def test_gloo_is_asked_for_only_where_accelerate_picks_no_backend(monkeypatch):
+def test_launched_cpu_processes_are_joined_only_where_accelerate_would_not(monkeypatch):
+    """Without a GPU, launched processes get gloo under DeepSpeed and cpu=True otherwise (else each
+    trains alone); not launched, on one process, or with a backend the user chose: untouched."""
+    import datetime
+
     from accelerate.utils import InitProcessGroupKwargs
 
-    from fp8plug import deepspeed as ds
+    from fp8plug.cpu_processes import join_cpu_processes
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     handlers = []
-    ds.join_cpu_processes({}, handlers)
+    join_cpu_processes({}, handlers)
     assert handlers == []  # not launched
     monkeypatch.setenv("LOCAL_RANK", "0")
-    ds.join_cpu_processes({}, handlers)
-    assert [h.backend for h in handlers] == ["gloo"]
-    timeout = [InitProcessGroupKwargs(timeout=__import__("datetime").timedelta(seconds=5))]  # the user's
-    ds.join_cpu_processes({}, timeout)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    join_cpu_processes({}, handlers)
+    assert handlers == []  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    arguments = {}
+    join_cpu_processes(arguments, handlers)
+    assert [h.backend for h in handlers] == ["gloo"] and "cpu" not in arguments
+    timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=5))]  # the user's, backend left default
+    join_cpu_processes({}, timeout)
     assert [(h.backend, h.timeout.seconds) for h in timeout] == [("gloo", 5)]
     mpi = [InitProcessGroupKwargs(backend="mpi")]
-    ds.join_cpu_processes({}, mpi)
+    join_cpu_processes({}, mpi)
     assert mpi[0].backend == "mpi"  # a backend the user chose stays
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    untouched = []
-    ds.join_cpu_processes({}, untouched)
-    assert untouched == []  # no DeepSpeed: accelerate's own choice
+    arguments, handlers = {}, []
+    join_cpu_processes(arguments, handlers)
+    assert arguments == {"cpu": True} and handlers == []  # DDP: accelerate's MULTI_CPU over gloo
 
 
 @pytest.mark.slow
