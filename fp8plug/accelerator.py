@@ -87,7 +87,10 @@ class Accelerator(accelerate.Accelerator):
         precision = requested_precision(arguments.get("mixed_precision"))
         fp8_on = precision == "fp8"
         if recipe is not None and not fp8_on:
-            where = "" if arguments.get("mixed_precision") is not None else " (from ACCELERATE_MIXED_PRECISION)"
+            where = ""
+            if arguments.get("mixed_precision") is None:
+                where = (" (from ACCELERATE_MIXED_PRECISION)" if "ACCELERATE_MIXED_PRECISION" in os.environ
+                         else ": no mixed_precision was given, and accelerate's default is 'no'")
             raise ValueError(
                 f"FP8RecipeKwargs was passed in kwargs_handlers but mixed_precision is {precision!r}{where}; "
                 "pass Accelerator(mixed_precision='fp8', ...) or launch with `--mixed_precision fp8` "

@@ -206,6 +206,12 @@ def plan_conversion(
         if is_converted(module):
             report.skip(fqn or "<root>", "already converted", ALREADY)
             continue
+        if has_gemm_counter(module):  # an FP8 layer, but of another engine: it would stay that engine's
+            raise ConversionError(
+                f"cannot convert {type(model).__name__} with the {backend} engine: {fqn or '<root>'!r} is already "
+                f"an FP8 layer of another engine ({type(module).__name__}); convert the plain model, or keep "
+                "the engine it was converted with."
+            )
         if fqn in attention:
             report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
             continue
