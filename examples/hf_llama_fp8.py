@@ -7,7 +7,7 @@ the same script runs unchanged (pick the engine with --backend).
     python3 examples/hf_llama_fp8.py                      # native engine, CPU or GPU
     python3 examples/hf_llama_fp8.py --backend auto       # whichever engine suits the machine
     python3 examples/hf_llama_fp8.py --device cuda --backend te --hidden 1024 --layers 4 --steps 200
-    accelerate launch --config_file examples/configs/cpu_fp8.yaml examples/hf_llama_fp8.py
+    fp8plug launch --config_file examples/configs/cpu_fp8.yaml examples/hf_llama_fp8.py
 
 Under `accelerate launch` the FP8 settings (engine, recipe) come from the launch config unless
 --backend is given. The last line printed is `result: {json}` (engine, converted layers, losses).

@@ -1,9 +1,10 @@
 """Train a small decoder-only LM with fp8plug.Accelerator, under `accelerate launch` or plain python.
 
-    accelerate launch --config_file examples/configs/cpu_fp8.yaml examples/train_accelerate.py
-    accelerate launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/train_accelerate.py
+    fp8plug launch --config_file examples/configs/cpu_fp8.yaml examples/train_accelerate.py
+    fp8plug launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/train_accelerate.py
     accelerate launch --config_file examples/configs/gpu_fp8.yaml examples/train_accelerate.py --steps 200
     accelerate launch --config_file examples/configs/2gpu_fsdp2_fp8.yaml examples/train_accelerate.py --steps 200
+    fp8plug launch --config_file examples/configs/cpu_deepspeed_fp8.yaml examples/train_accelerate.py
 
 FP8 settings come from the launch configuration (`mixed_precision: fp8` and its `fp8_config:`
 section, or `--mixed_precision fp8 --fp8_backend ...` on the command line); the script only adds
@@ -41,7 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--cpu", action="store_true", help="force the CPU (default: CPU when there is no GPU)")
+    p.add_argument("--cpu", action="store_true",
+                   help="force the CPU where there is a GPU (cpu=True; refused beside a DeepSpeed config, "
+                        "which it would turn off); on a machine without a GPU the CPU is used anyway")
     p.add_argument("--check-config", action="store_true", help="print the FP8 recipe and engine, do not train")
     p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
     p.add_argument("--save-dir", default=None)
@@ -66,11 +69,10 @@ def weights_digest(state_dict) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cpu = args.cpu or not torch.cuda.is_available()
     fp8 = requested_precision(None) == "fp8"
     # auto_filter=False: at these sizes the default filter would keep every layer in bf16 on a GPU
     handlers = [fp8plug.FP8RecipeKwargs(modules_to_ignore=["lm_head"], auto_filter=False)] if fp8 else []
-    accelerator = fp8plug.Accelerator(cpu=cpu, kwargs_handlers=handlers, gradient_accumulation_steps=args.grad_accum)
+    accelerator = fp8plug.Accelerator(cpu=args.cpu, kwargs_handlers=handlers, gradient_accumulation_steps=args.grad_accum)
     info = {
         "rank": accelerator.process_index,
         "world_size": accelerator.num_processes,
@@ -89,6 +91,10 @@ def main(argv=None) -> int:
                         ffn_dim=args.ffn, max_seq_len=args.seq)
     model = TinyDecoder(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None:  # DeepSpeed reads the batch size from a DataLoader; this loop has none
+        deepspeed.deepspeed_config.update(train_micro_batch_size_per_gpu=args.batch,
+                                          train_batch_size=args.batch * accelerator.num_processes * args.grad_accum)
     model, optimizer = accelerator.prepare(model, optimizer)
     info["converted"] = sum(len(r.converted) for r in accelerator.fp8_reports)
     info["initial_weights"] = weights_digest(accelerator.get_state_dict(model))

@@ -7,7 +7,7 @@ few seconds with fp8plug's torch-only `native` engine; on a GPU the same script 
     python3 examples/trainer_fp8.py                       # native engine, CPU or GPU
     python3 examples/trainer_fp8.py --backend ao          # torchao float8
     python3 examples/trainer_fp8.py --compare-bf16        # also train plain Trainer(bf16=True)
-    accelerate launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/trainer_fp8.py
+    fp8plug launch --config_file examples/configs/cpu_ddp_fp8.yaml examples/trainer_fp8.py
 
 Under `accelerate launch` the engine and recipe come from the launch config unless --backend is
 given. The last line printed is `result: {json}`: the engine, converted layers, losses, the eval
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     logits_rel_diff = ((ours - plain).norm() / plain.norm()).item()
     result = {
         "engine": accelerator.fp8_engine.name, "device": accelerator.device.type,
-        "processes": accelerator.num_processes, "converted": len(report.converted), "skipped": sorted(report.skipped),
+        "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
+        "wrapper": type(trainer.model_wrapped).__name__, "converted": len(report.converted), "skipped": sorted(report.skipped),
         "first_loss": losses[0], "last_loss": losses[-1], "losses": losses, "eval_loss": eval_loss,
         "reloaded_same_logits": same_logits, "reloaded_logits_rel_diff": logits_rel_diff,
         "reloaded_tied": reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,

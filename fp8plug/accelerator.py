@@ -37,6 +37,7 @@ from .backends.base import Backend
 from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
+from .cpu_processes import join_cpu_processes
 from . import deepspeed as ds
 from . import resume
 from .optim import convert_optimizer
@@ -88,7 +89,10 @@ class Accelerator(accelerate.Accelerator):
         precision = requested_precision(arguments.get("mixed_precision"))
         fp8_on = precision == "fp8"
         if recipe is not None and not fp8_on:
-            where = "" if arguments.get("mixed_precision") is not None else " (from ACCELERATE_MIXED_PRECISION)"
+            where = ""
+            if arguments.get("mixed_precision") is None:
+                where = (" (from ACCELERATE_MIXED_PRECISION)" if "ACCELERATE_MIXED_PRECISION" in os.environ
+                         else ": no mixed_precision was given, and accelerate's default is 'no'")
             raise ValueError(
                 f"FP8RecipeKwargs was passed in kwargs_handlers but mixed_precision is {precision!r}{where}; "
                 "pass Accelerator(mixed_precision='fp8', ...) or launch with `--mixed_precision fp8` "
@@ -101,10 +105,13 @@ class Accelerator(accelerate.Accelerator):
             # says "fp8" and refuses any change: keep it, accelerate runs bf16 autocast for "fp8"
             # too, and `fp8_backend` below keeps its own FP8 code off either way.
             arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
+        join_cpu_processes(arguments, handlers)
         arguments["kwargs_handlers"] = handlers
         self._fp8_as_ao = False
         with ds.clearer_init_errors(fp8_on):
             super().__init__(**arguments)
+        if ds.is_deepspeed(self):
+            ds.check_processes(self)
 
         self.fp8_enabled = fp8_on
         self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe

@@ -10,7 +10,7 @@ from torch import nn
 from .backends import get_backend, select_backend
 from .backends.base import Backend
 from .convert import ConversionReport
-from .coverage import describe_engine, log_conversion
+from .coverage import describe_engine, log_conversion, logger
 from .recipe import BACKENDS, FP8RecipeKwargs
 from .roofline import with_auto_filter
 
@@ -19,7 +19,7 @@ def convert_model(
     model: nn.Module,
     to_transformer_engine: bool = True,
     _convert_linear: bool = True,
-    _convert_ln: bool = True,
+    _convert_ln: Optional[bool] = None,
     *,
     recipe: Optional[FP8RecipeKwargs] = None,
     backend: Optional[str] = None,
@@ -35,7 +35,8 @@ def convert_model(
     every eligible layer is converted: the automatic speed filter acts here only when the recipe
     asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
     Returns the ConversionReport of what was converted and why anything was skipped (None when
-    converting back).
+    converting back). `_convert_ln` (default: convert norms where the engine can) given as True
+    warns where the engine chosen left the norms alone: only TransformerEngine converts them.
     """
     if not to_transformer_engine:
         unconvert_model(model)
@@ -43,8 +44,23 @@ def convert_model(
     recipe = recipe or FP8RecipeKwargs(backend=backend)
     selection = select_backend(backend or recipe.backend, compiled=compiled)
     recipe = selection.tune(recipe)
-    return convert_with_engine(model, recipe, selection.backend, selection.device,
-                               auto_filter=recipe.auto_filter is True, linear=_convert_linear, norm=_convert_ln)
+    report = convert_with_engine(model, recipe, selection.backend, selection.device,
+                                 auto_filter=recipe.auto_filter is True, linear=_convert_linear,
+                                 norm=_convert_ln is not False)
+    if _convert_ln:
+        _warn_norms_left(model, report, selection.backend)
+    return report
+
+
+def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Backend) -> None:
+    """Norm conversion was asked for by name: say so where the engine converted no norm layer."""
+    norms = [fqn for fqn, m in model.named_modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))]
+    converted_others = set(report.converted) - set(report.linears)
+    if norms and not converted_others:
+        logger.warning(
+            "convert_model(_convert_ln=True): the %s engine converts Linear layers only, so %d norm layer(s) stay "
+            "torch's (%s); only TransformerEngine converts norms: pass backend='te' where it runs (`fp8plug env`).",
+            engine.name, len(norms), ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else ""))
 
 
 def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Backend, device, *,

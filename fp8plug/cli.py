@@ -1,5 +1,6 @@
-"""The `fp8plug` command: `fp8plug env` (what can run here and what would be chosen) and
-`fp8plug bench` (Linear speed per engine, see fp8plug.bench)."""
+"""The `fp8plug` command: `fp8plug env` (what can run here and what would be chosen),
+`fp8plug bench` (Linear speed per engine, see fp8plug.bench) and `fp8plug launch` (accelerate's
+launcher, taking FP8 as available where only fp8plug's native engine runs; fp8plug.launch)."""
 
 from __future__ import annotations
 
@@ -71,10 +72,18 @@ def auto_filter_status(backend: str, info) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # every argument after it is accelerate launch's
+        from .launch import main as launch_main
+
+        return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fp8plug", description="fp8plug: FP8 training for PyTorch and Accelerate")
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="report versions, the device, each FP8 engine and the automatic choice")
     env.add_argument("--device", default=None, help="device to judge (default: cuda if present, else cpu)")
+    commands.add_parser("launch", add_help=False,
+                        help="accelerate launch, with FP8 available where only fp8plug's native engine runs "
+                             "(`fp8plug launch --help`: accelerate launch's arguments)")
     bench = commands.add_parser("bench", help="time Linear forward+backward per engine against bf16")
     from . import bench as bench_module
 

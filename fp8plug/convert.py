@@ -235,6 +235,12 @@ def plan_conversion(
         if is_converted(module):
             report.skip(fqn or "<root>", "already converted", ALREADY)
             continue
+        if has_gemm_counter(module):  # an FP8 layer, but of another engine: it would stay that engine's
+            raise ConversionError(
+                f"cannot convert {type(model).__name__} with the {backend} engine: {fqn or '<root>'!r} is already "
+                f"an FP8 layer of another engine ({type(module).__name__}); convert the plain model, or keep "
+                "the engine it was converted with."
+            )
         if fqn in adapters:
             report.skip(fqn, ADAPTER_NOTE, ADAPTER)
             continue

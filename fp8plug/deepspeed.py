@@ -19,6 +19,9 @@ handles them:
   taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
   the FP8 GEMMs in bf16, and accelerate's own message would name bf16, which the user never set.
+- On a machine without GPUs, launched processes must be joined over gloo without `cpu=True`,
+  which would make accelerate drop DeepSpeed (fp8plug.cpu_processes); `check_processes` refuses
+  a process state that was set up earlier without a backend and counts one of several ranks.
 
 Checkpoints need nothing extra: DeepSpeed's `save_checkpoint` reads the module's state dict, which
 fp8plug keeps the plain architecture's, and the FP8 scaling state travels beside it as a registered
@@ -30,9 +33,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING, Iterable, List, Optional
 
 from torch import nn
+
+from .cpu_processes import env_flag
 
 if TYPE_CHECKING:
     from .accelerator import Accelerator
@@ -52,6 +58,27 @@ def zero_stage(accelerator) -> int:
     """The ZeRO stage of the active DeepSpeed plugin (0 when its config says none)."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     return int(config.get("zero_optimization", {}).get("stage", 0) or 0)
+
+
+def requested(arguments: dict) -> bool:
+    """Whether accelerate.Accelerator(**arguments) would run under DeepSpeed if it could: a
+    `deepspeed_plugin` argument, or a DeepSpeed launch config (ACCELERATE_USE_DEEPSPEED)."""
+    return arguments.get("deepspeed_plugin") is not None or env_flag("ACCELERATE_USE_DEEPSPEED")
+
+
+def check_processes(accelerator) -> None:
+    """After accelerate.Accelerator.__init__ under DeepSpeed: every launched process must count
+    the others. Where accelerate's process state was set up earlier without a backend (by
+    transformers.TrainingArguments on a CPU, say), it counts one, and DeepSpeed would fail later
+    with a bare assertion."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and accelerator.num_processes != world:
+        raise ValueError(
+            f"fp8plug.Accelerator: DeepSpeed was launched on {world} processes but accelerate's process state "
+            f"counts {accelerator.num_processes} (it was set up before this Accelerator without a process-group "
+            "backend); build fp8plug.Accelerator before anything else sets that state up, or set it up over gloo "
+            "(PartialState(backend='gloo'); with transformers, TrainingArguments(ddp_backend='gloo'))."
+        )
 
 
 def is_partitioned(model: nn.Module) -> bool:
@@ -140,6 +167,6 @@ def _is_deepspeed_engine(obj) -> bool:
 
 
 __all__: List[str] = [
-    "check_engine", "check_models", "clearer_init_errors", "hook_engine_steps", "is_deepspeed",
-    "is_partitioned", "zero_stage",
+    "check_engine", "check_models", "check_processes", "clearer_init_errors", "hook_engine_steps",
+    "is_deepspeed", "is_partitioned", "requested", "zero_stage",
 ]

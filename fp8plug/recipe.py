@@ -153,8 +153,18 @@ def normalize_backend(value) -> Optional[str]:
     return BACKEND_ALIASES[key]
 
 
+class _NamesItsAccelerator(type):
+    """FP8RecipeKwargs's metaclass, for one message: plain `accelerate.Accelerator` given an
+    FP8RecipeKwargs looks its class up among its own handlers and raises a bare
+    `KeyError: <class ...>`, with the class's repr as the whole message. The repr says the fix."""
+
+    def __repr__(cls) -> str:
+        return (f"<class '{cls.__module__}.{cls.__qualname__}': fp8plug's recipe, which plain "
+                "accelerate.Accelerator does not know; use fp8plug.Accelerator>")
+
+
 @dataclass
-class FP8RecipeKwargs(KwargsHandler):
+class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
     """How to train in FP8, whichever engine runs it.
 
     Fields left as None are read from the `ACCELERATE_FP8_*` environment that `accelerate launch`

@@ -81,11 +81,10 @@ class FP8TrainerMixin:
                 "`accelerate launch`) cannot combine with FP8 training, which runs bf16 outside the FP8 "
                 "layers; drop fp16=True (bf16=True is fine)."
             )
-        if kwargs.get("deepspeed_plugin") is not None:
-            raise ValueError(
-                f"{type(self).__name__}: DeepSpeed is not supported for FP8 training through fp8plug; "
-                "use DDP or FSDP2 (docs/distributed.md), or train without the DeepSpeed config."
-            )
+        if kwargs.get("deepspeed_plugin") is not None and not self.args.bf16:
+            # DeepSpeed gets bf16 enabled (what runs outside the FP8 layers), and transformers
+            # refuses a DeepSpeed config whose bf16 disagrees with TrainingArguments.bf16
+            self.args.bf16 = True
         kwargs["mixed_precision"] = "fp8"
         handlers = list(kwargs.get("kwargs_handlers") or [])
         if self.fp8_recipe is not None:

@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# say where this installs: the active interpreter's environment, a virtual one or not
+where=$("$PY" -c 'import sys; print(sys.prefix)')
+if "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+  echo "bootstrap: installing into the virtual environment $where ($PY)"
+else
+  echo "bootstrap: installing into $where ($PY), not a virtual environment; to keep fp8plug apart" \
+       "instead: python3 -m venv .venv && . .venv/bin/activate && bash scripts/bootstrap.sh" \
+       "(or PYTHON=/path/to/python bash scripts/bootstrap.sh)"
+fi
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "bootstrap: no torch found; installing torch==2.13.0"
   "$PY" -m pip install -q "torch==2.13.0"

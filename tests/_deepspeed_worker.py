@@ -75,7 +75,8 @@ def fresh():
     if not torch.cuda.is_available() and "WORLD_SIZE" in os.environ:  # launched, on CPU
         # accelerate 1.15 picks no process-group backend on a machine without GPUs unless told
         # (cpu=True would turn DeepSpeed off); without one it counts a single process while
-        # DeepSpeed runs two over gloo.
+        # DeepSpeed runs two over gloo. fp8plug.Accelerator asks for gloo itself
+        # (fp8plug.deepspeed.join_cpu_processes); the plain bf16 reference needs it set here.
         from accelerate import PartialState
 
         PartialState(backend="gloo")

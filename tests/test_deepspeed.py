@@ -80,3 +80,87 @@ def test_fp16_deepspeed_config_is_refused_naming_fp8():
     with pytest.raises(ValueError, match=r"mixed_precision 'fp8' under DeepSpeed: the DeepSpeed config enables fp16"):
         with clearer_init_errors(fp8_on=True):
             plugin.set_mixed_precision("bf16")  # what accelerate does with the bf16 fp8plug asks for
+
+
+def _plugin():
+    from accelerate.utils import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, zero3_init_flag=False)
+
+
+@pytest.mark.parametrize("where", ["argument", "launch"])
+def test_cpu_true_beside_a_deepspeed_config_is_refused_not_ignored(monkeypatch, where):
+    """accelerate drops DeepSpeed without a word under cpu=True (a plain DDP run, rc 0)."""
+    import fp8plug
+
+    if where == "launch":  # the variable `accelerate launch --cpu` exports
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+        kwargs, message = {}, r"ACCELERATE_USE_CPU=true \(accelerate launch's --cpu / use_cpu: true\) with a DeepSpeed config"
+    else:
+        kwargs, message = {"cpu": True, "deepspeed_plugin": _plugin()}, r"cpu=True with a DeepSpeed config"
+    with pytest.raises(ValueError, match=message + r" would make accelerate ignore DeepSpeed"):
+        fp8plug.Accelerator(mixed_precision="fp8", **kwargs)
+
+
+def test_deepspeed_process_state_that_counts_one_of_several_processes_is_refused(monkeypatch):
+    """Accelerate's state set up earlier without a backend counts one process while DeepSpeed
+    runs several; DeepSpeed would fail later with a bare assertion."""
+    import fp8plug
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"DeepSpeed was launched on 2 processes but accelerate's process state counts 1"):
+        fp8plug.Accelerator(mixed_precision="fp8", deepspeed_plugin=_plugin())
+
+
+def test_launched_cpu_processes_are_joined_only_where_accelerate_would_not(monkeypatch):
+    """Without a GPU, launched processes get gloo under DeepSpeed and cpu=True otherwise (else each
+    trains alone); not launched, on one process, or with a backend the user chose: untouched."""
+    import datetime
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from fp8plug.cpu_processes import join_cpu_processes
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    handlers = []
+    join_cpu_processes({}, handlers)
+    assert handlers == []  # not launched
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    join_cpu_processes({}, handlers)
+    assert handlers == []  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    arguments = {}
+    join_cpu_processes(arguments, handlers)
+    assert [h.backend for h in handlers] == ["gloo"] and "cpu" not in arguments
+    timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=5))]  # the user's, backend left default
+    join_cpu_processes({}, timeout)
+    assert [(h.backend, h.timeout.seconds) for h in timeout] == [("gloo", 5)]
+    mpi = [InitProcessGroupKwargs(backend="mpi")]
+    join_cpu_processes({}, mpi)
+    assert mpi[0].backend == "mpi"  # a backend the user chose stays
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    arguments, handlers = {}, []
+    join_cpu_processes(arguments, handlers)
+    assert arguments == {"cpu": True} and handlers == []  # DDP: accelerate's MULTI_CPU over gloo
+
+
+@pytest.mark.slow
+def test_the_cpu_deepspeed_example_runs_under_deepspeed_as_documented(tmp_path):
+    """examples/configs/cpu_deepspeed_fp8.yaml with examples/train_accelerate.py, the command in
+    docs/distributed.md: two ranks under DeepSpeed ZeRO 2 (not plain DDP), FP8 scaling state and
+    weights identical on both."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "examples" / "configs" / "cpu_deepspeed_fp8.yaml"), str(ROOT / "examples" / "train_accelerate.py"),
+           "--steps", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in ranks:
+        assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["world_size"] == 2
+        assert result["engine"] == "native" and result["converted"] == 14
+        assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["fp8_state"] == ranks[1]["fp8_state"]

@@ -8,6 +8,7 @@ names); these tests check that fp8plug.Accelerator reads them as the user meant.
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,73 @@ def test_config_file_with_wizard_keys(tmp_path):
         "native", "E4M3", 32, "max")
     assert (recipe["opt_level"], recipe["margin"], recipe["interval"]) == ("O1", 2, 3)
     assert recipe["override_linear_precision"] == [False, False, True]
+
+
+HIDE_ENGINES = '''
+"""Hide TransformerEngine, MS-AMP and torchao from this process: a machine with torch,
+accelerate and fp8plug only."""
+import sys
+
+HIDDEN = {"torchao", "transformer_engine", "msamp"}
+
+
+class _Hide:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            return None
+        find = getattr(self._inner, "find_spec", None)
+        return find(name, path, target) if find else None
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+
+sys.meta_path[:] = [_Hide(finder) for finder in sys.meta_path]
+'''
+
+
+@pytest.mark.parametrize("config", ["cpu_fp8", "cpu_ddp_fp8"])
+def test_cpu_configs_run_with_only_torch_accelerate_and_fp8plug(tmp_path, config):
+    """accelerate's launcher refuses mixed precision fp8 unless TE, MS-AMP or torchao is
+    installed; `fp8plug launch` runs the shipped CPU configs without them (native engine)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_ENGINES)
+    env = child_env(tmp_path, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), env["PYTHONPATH"]])
+    probe = subprocess.run([sys.executable, "-c", "import accelerate.utils as u; import torchao"], env=env,
+                           capture_output=True, text=True)
+    assert "No module named 'torchao'" in probe.stderr  # the engines are really hidden
+    out = tmp_path / "results"
+    args = ["--config_file", str(CONFIGS / f"{config}.yaml"), str(SCRIPT), "--steps", "2", "--out", str(out)]
+    plain = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *args], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert plain.returncode != 0 and "FP8 is not available on this machine" in plain.stderr  # accelerate's own
+    proc = subprocess.run([sys.executable, "-m", "fp8plug", "launch", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert len(results) == (2 if config == "cpu_ddp_fp8" else 1)
+    for result in results:
+        assert result["engine"] == "native" and result["mixed_precision"] == "fp8"
+        assert result["world_size"] == len(results) and result["converted"] == 14
+
+
+def test_fp8plug_launch_says_why_when_no_fp8_can_run(monkeypatch):
+    import accelerate.utils.launch as launch_utils
+
+    from fp8plug import launch
+
+    monkeypatch.setattr(launch_utils, "is_fp8_available", lambda: False)
+    monkeypatch.setattr(launch, "native_fp8_problem", lambda: "torch 2.0 has no float8 dtypes")
+    with launch.fp8_check_widened():
+        with pytest.raises(RuntimeError, match=r"^fp8plug launch: mixed precision fp8 cannot run here: .*"
+                                               r"native engine cannot run \(torch 2.0 has no float8 dtypes\)"):
+            launch_utils.is_fp8_available()
+    monkeypatch.setattr(launch, "native_fp8_problem", lambda: None)
+    with launch.fp8_check_widened():
+        assert launch_utils.is_fp8_available()
+    assert launch_utils.is_fp8_available() is False  # put back after the block

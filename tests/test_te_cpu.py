@@ -94,10 +94,14 @@ def test_installed_but_broken_te_is_unavailable_with_its_reason(tmp_path, no_te,
     assert select_backend(None, device="cpu").name != "te"
 
 
-def test_explicit_te_on_cpu_is_a_clear_error_with_the_pip_command(no_te):
+def test_explicit_te_says_it_needs_a_gpu_on_a_cpu_and_gives_the_pip_command_on_a_gpu(no_te):
     no_te.setitem(sys.modules, "transformer_engine", None)
-    with pytest.raises(BackendUnavailableError, match=r"pip install --no-build-isolation \"transformer_engine\[pytorch\]\""):
+    with pytest.raises(BackendUnavailableError, match=r"cannot run here: needs a CUDA GPU") as on_cpu:
         select_backend("te", device="cpu")
+    assert "pip install" not in str(on_cpu.value)  # installing it would not help on a CPU
+    with pytest.raises(BackendUnavailableError, match=r"not installed; install it with `pip install --no-build-isolation "
+                                                      r"\"transformer_engine\[pytorch\]\"`"):
+        select_backend("te", device=H100)
 
 
 def test_te_importable_but_cpu_device_is_refused(tmp_path, no_te):

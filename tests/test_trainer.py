@@ -249,6 +249,36 @@ def test_two_cpu_processes_under_accelerate_launch(tmp_path):
     assert results[0]["losses"] == results[1]["losses"]
 
 
+@pytest.mark.slow
+def test_two_cpu_processes_under_deepspeed_zero2(tmp_path):
+    """FP8Trainer takes the Accelerator's DeepSpeed path (it used to refuse DeepSpeed):
+    examples/trainer_fp8.py under the shipped CPU DeepSpeed config trains inside a DeepSpeedEngine
+    on both ranks, tracks plain Trainer in bf16 under the same config, and saves a checkpoint with
+    the FP8 state that reloads into plain transformers."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "examples" / "configs" / "cpu_deepspeed_fp8.yaml"), str(root / "examples" / "trainer_fp8.py"),
+           "--steps", "12", "--compare-bf16", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert (result["distributed_type"], result["wrapper"], result["processes"]) == ("DEEPSPEED", "DeepSpeedEngine", 2)
+        assert result["engine"] == "native" and result["converted"] == 14
+        assert result["last_loss"] < 0.85 * result["first_loss"]
+        assert abs(result["last_loss"] - result["bf16_losses"][-1]) < 0.03 * result["bf16_losses"][-1]
+        assert result["reloaded_same_logits"] and result["fp8_state_saved"]
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+
+
 def test_a_subclass_that_builds_its_own_accelerator_is_refused(tmp_path):
     import accelerate
 

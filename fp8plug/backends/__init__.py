@@ -56,6 +56,7 @@ class Verdict:
     usable: bool
     reason: str  # why usable, or why not
     checked: bool = True  # False: not probed, since another engine was requested
+    install: bool = False  # whether installing (or repairing) the package is the fix
 
 
 @dataclass
@@ -126,8 +127,13 @@ def judge(name: str, device: DeviceInfo) -> Verdict:
     """Probe one engine (by canonical name) and check it against the device."""
     backend = _engine(name)
     probe = backend.probe()
+    if device.type == "cpu" and not backend.runs_on_cpu:  # a GPU-only engine: installing would not help
+        ok, why = backend.supports(device)
+        if not ok:
+            return Verdict(name, backend.title, probe, False, why)
     if not probe.available:
-        return Verdict(name, backend.title, probe, False, f"{probe.reason} (install: {backend.install_hint})")
+        return Verdict(name, backend.title, probe, False, f"{probe.reason} (install: {backend.install_hint})",
+                       install=True)
     ok, why = backend.supports(device)
     if not ok:
         return Verdict(name, backend.title, probe, False, why)
@@ -173,9 +179,10 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
             name, f"backend {requested!r} was requested")
     if requested is not None:
         verdict = selection.verdicts[requested]
-        if not verdict.usable:
-            raise _engine(requested).unavailable(
-                verdict.reason, ", or leave backend=None to choose automatically.\n" + selection.explain())
+        if not verdict.usable:  # one line: the other engines were not judged, so not listed
+            engine = _engine(requested)
+            raise engine.unavailable(verdict.probe.reason if verdict.install else verdict.reason,
+                                     install=verdict.install)
         selection.backend = _engine(requested)
         return selection
     for name in BACKENDS:

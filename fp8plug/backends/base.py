@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
 
@@ -41,11 +42,50 @@ class Probe:
     reason: str = ""
 
 
+# Lines engines' packages log when fp8plug imports them that say nothing about the user's run:
+# (logger, start of the message, only on a machine without CUDA). torchao tries its CUDA kernel
+# libraries and Triton, which cannot load without a GPU (on a GPU a failure there stays visible);
+# torch's pytree deprecation is addressed to torchao's code, not to its users.
+IMPORT_NOISE = (
+    ("torchao", "Failed to load ", True),
+    ("torchao.kernel.intmm", "Warning: Detected no triton", True),
+    ("torch.utils._pytree", "<enum ", False),
+)
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start) and not record.getMessage().startswith(self.start)
+
+
+@contextlib.contextmanager
+def quiet_import_noise():
+    """Within the block, drop exactly the IMPORT_NOISE lines (by logger and message start); every
+    other record of those loggers, and every other logger, passes. Used around engine imports."""
+    attached = []
+    for name, start, cpu_only in IMPORT_NOISE:
+        if cpu_only and torch.cuda.is_available():
+            continue
+        drop = _DropNoise(start)
+        logging.getLogger(name).addFilter(drop)
+        attached.append((name, drop))
+    try:
+        yield
+    finally:
+        for name, drop in attached:
+            logging.getLogger(name).removeFilter(drop)
+
+
 def probe_import(module_name: str, version_of: Optional[Callable] = None) -> Probe:
     """Import `module_name` and report, never raise: a broken install (RuntimeError, OSError, a
     missing shared library) is an unavailable engine with its reason, not a crash."""
     try:
-        module = importlib.import_module(module_name)
+        with quiet_import_noise():
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.split(".")[0] == exc.name.split(".")[0]:
             return Probe(False, reason="not installed")
@@ -111,12 +151,13 @@ class Backend:
             raise self.unavailable(probe.reason)
         return None
 
-    def unavailable(self, reason: str, advice: str = ".") -> BackendUnavailableError:
-        """The error for this engine asked for where it cannot run: why, how to install it, and
-        `advice` after that."""
+    def unavailable(self, reason: str, install: bool = True) -> BackendUnavailableError:
+        """The error for this engine asked for where it cannot run, in one line: why, then the fix:
+        how to install it (`install`, where the package is the problem), else another engine."""
+        fix = f"install it with `{self.install_hint}`, or" if install else "use"
         return BackendUnavailableError(
-            f"FP8 backend {self.name!r} ({self.title}) cannot run here: {reason}. "
-            f"Install it with `{self.install_hint}`{advice}"
+            f"FP8 backend {self.name!r} ({self.title}) cannot run here: {reason}; {fix} another backend "
+            "or backend=None for the automatic choice (`fp8plug env` lists what runs here)."
         )
 
     def check_recipe(self, recipe: "FP8RecipeKwargs") -> None:
