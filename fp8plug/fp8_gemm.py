@@ -56,6 +56,10 @@ def fp8_to_float(t: torch.Tensor) -> torch.Tensor:
     E5M2 is float16's top byte, and E4M3's magnitude bits, moved into float16's places, read as
     that value times 2**-8 (subnormals too, float16's exponent bias being 8 more). So the
     conversion is a few integer passes and float16's vectorised conversion to float32."""
+    if torch.compiler.is_compiling():
+        # inductor writes its own vectorised conversion; and torch 2.11's inductor miscompiled the
+        # bit views below when fused after the cast that made `t` (zero gradients on an AMX Xeon)
+        return t.float()
     bits = t.view(torch.uint8).to(torch.int16)
     if t.dtype == torch.float8_e5m2:
         return (bits << 8).view(torch.float16).float()

@@ -4,8 +4,9 @@ process state left by an earlier test.
 A recipe reads FP8PLUG_* and ACCELERATE_FP8_* variables, and accelerate reads ACCELERATE_*
 (ACCELERATE_MIXED_PRECISION, the launch variables), so one exported in the shell or set by an
 earlier test would change what a test checks. The variables are removed once for the whole process
-(module-scoped fixtures and the subprocesses tests start see a clean environment too) and again
-before each test; a test sets what it needs with monkeypatch.
+and again before and after each test, for good: accelerate and DeepSpeed write some into
+os.environ themselves (ACCELERATE_USE_DEEPSPEED, ...), and a module-scoped fixture built between
+two tests must not see them. A test sets what it needs with monkeypatch.
 """
 
 import os
@@ -30,15 +31,19 @@ def _fresh_accelerate():
         fresh()
 
 
-def pytest_configure(config):
+def _forget_settings():
     for name in settings_in(os.environ):
         del os.environ[name]
 
 
+def pytest_configure(config):
+    _forget_settings()
+
+
 @pytest.fixture(autouse=True)
-def clean_settings(monkeypatch):
-    for name in settings_in(os.environ):
-        monkeypatch.delenv(name)
+def clean_settings():
+    _forget_settings()
     _fresh_accelerate()
     yield
+    _forget_settings()
     _fresh_accelerate()
