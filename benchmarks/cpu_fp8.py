@@ -37,13 +37,7 @@ def torch_scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=Fa
                             use_fast_accum=use_fast_accum)
 
 
-def fp32_emulation(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=False, bias=None):
-    """The alternative to the bf16 emulation: an fp32 GEMM on the dequantised operands, exactly
-    torch's CPU result, at fp32 GEMM speed."""
-    return fp8_gemm.scaled_mm(a, b, inv_scale_a, inv_scale_b, torch.float32, bias=bias).to(out_dtype)
-
-
-WAYS = {"emulated": fp8_gemm.scaled_mm, "emulated in fp32": fp32_emulation, "torch._scaled_mm": torch_scaled_mm}
+WAYS = {"emulated": fp8_gemm.scaled_mm, "torch._scaled_mm": torch_scaled_mm}
 SLOW = "torch._scaled_mm"  # hundreds of times slower than bf16 on some CPUs: timed once, after one warm-up
 
 

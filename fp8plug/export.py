@@ -31,6 +31,7 @@ from torch import nn
 from .api import loaded_backends, unconvert_model
 from .autocast import remove_fp8_autowrap
 from .checkpoint import plain_state_dict
+from .convert import linear_alignment_problem
 
 logger = logging.getLogger("fp8plug")
 
@@ -145,9 +146,7 @@ def load_fp8_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
 def _kept_reason(name: str, module: nn.Linear, ignore) -> Optional[str]:
     if any(name == entry or name.endswith("." + entry) for entry in ignore):
         return "listed in modules_to_ignore"
-    if module.in_features % 16 or module.out_features % 16:
-        return f"{module.in_features}x{module.out_features} is not a multiple of 16"
-    return None
+    return linear_alignment_problem(module)  # the conversion's own shape rule
 
 
 def _plain_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

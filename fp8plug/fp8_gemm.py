@@ -36,7 +36,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Tensor, inv_s
               out_dtype: torch.dtype, use_fast_accum: bool = False,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(a * inv_scale_a) @ (b * inv_scale_b) (+ bias) in `out_dtype`, a and b in FP8: torch's
-    `_scaled_mm` on a GPU, the bf16 emulation (module docstring) on the CPU. The scales are
+    `_scaled_mm` on a GPU, the emulation (module docstring) on the CPU. The scales are
     `_scaled_mm`'s: the factors that turn the FP8 values back into real ones (per tensor, or per
     row of a and per column of b)."""
     if not emulates(a.device):

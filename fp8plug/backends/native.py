@@ -5,8 +5,8 @@ DelayedScaling semantics (fp8plug.scaling): an amax history per tensor (input, w
 grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
 every `interval` steps, and amaxes reduced across data-parallel ranks once per optimizer step so
 every rank casts with one scale. The three GEMMs (fprop, dgrad, wgrad) go through
-`torch._scaled_mm` on CUDA sm_89+ and its bf16 emulation on the CPU (fp8plug.fp8_gemm); forward saves the FP8 copies of input and weight
-for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
+`torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU (fp8plug.fp8_gemm); forward
+saves the FP8 copies of input and weight for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
 the state dict keeps the plain Linear's keys. The forward is branch-free tensor code, so it
 compiles with fullgraph=True.
 """
@@ -64,8 +64,8 @@ class _FP8Linear(torch.autograd.Function):
     transposed copies backward needs. A frozen weight (LoRA's base layers) gets no gradient: its
     layer's input comes without the transposed copy (x_t None), and backward runs neither the
     weight-gradient GEMM nor grad_output's transposed cast; likewise an input that needs no
-    gradient (the first layer's) gets no input-gradient GEMM. `grad_record` is the module's recorded grad_output amax. It
-    is kept on ctx rather than saved with save_for_backward: several calls of one layer before one
+    gradient (the first layer's) gets no input-gradient GEMM. `grad_record` is the module's
+    recorded grad_output amax. It is kept on ctx rather than saved with save_for_backward: several calls of one layer before one
     backward all write into it, and a saved tensor written in place would fail autograd's version
     check."""
 
