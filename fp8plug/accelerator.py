@@ -261,7 +261,7 @@ class Accelerator(accelerate.Accelerator):
         """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP: the optimizer in
         the same prepare() call that holds the model's parameters, or None)."""
         engine = self.fp8_engine
-        if type(engine).prepare is Backend.prepare:
+        if not engine.adapts_optimizer:
             return
         for model in models:
             holders = _holders(args, model)
@@ -326,7 +326,7 @@ class Accelerator(accelerate.Accelerator):
         """accelerate's clip_grad_norm_, or the engine's own where torch's cannot read its
         gradients (MS-AMP's ScalingTensor gradients)."""
         engine = self.fp8_engine
-        if engine is None or type(engine).clip_grad_norm_ is Backend.clip_grad_norm_:
+        if engine is None or not engine.clips_gradients:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

@@ -91,10 +91,8 @@ def _engine(backend: str):
 
 
 def engine_counts(backend: str) -> bool:
-    """Whether the engine says, per call, whether a layer runs in FP8 (Backend.runs_fp8)."""
-    from .backends.base import Backend
-
-    return type(_engine(backend)).runs_fp8 is not Backend.runs_fp8
+    """Whether the engine says, per call, whether a layer runs in FP8 (Backend.counts_gemms)."""
+    return _engine(backend).counts_gemms
 
 
 def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> bool:

@@ -131,6 +131,7 @@ class AOBackend(Backend):
     install_hint = "pip install torchao"
     runs_on_cpu = True
     scalings = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    counts_gemms = True
     measured = {"compiled": Speed(1.29), "eager": Speed(0.44)}
 
     def probe(self) -> Probe:

@@ -123,6 +123,16 @@ class Backend:
     # measured training speed by how the model runs ("compiled", "eager"), for the automatic choice
     # on an FP8 GPU (MEASURED_ON); an engine without a figure ranks after those with one
     measured: ClassVar[Dict[str, Speed]] = {}
+    # What the engine does beyond the defaults, said outright rather than inferred from which
+    # methods a subclass overrides (an override that only refines a default must not change what
+    # the callers do). Each is read where the matching method is called.
+    # `prepare` adapts a (model, optimizer) pair, so the Accelerator must find the one optimizer
+    # holding each model's parameters (MS-AMP's msamp.initialize)
+    adapts_optimizer: ClassVar[bool] = False
+    # `clip_grad_norm_` must replace accelerate's (torch's cannot read the engine's gradients)
+    clips_gradients: ClassVar[bool] = False
+    # `runs_fp8` says per call whether a converted Linear runs FP8, so coverage counts GEMMs
+    counts_gemms: ClassVar[bool] = False
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -227,12 +237,13 @@ class Backend:
     def runs_fp8(self, module: nn.Module, input) -> Optional[bool]:
         """Whether this call of the converted Linear `module` on `input` runs its GEMMs in FP8,
         decided exactly as its forward decides (fp8plug.coverage counts calls with it; it runs
-        inside compiled graphs, so it must be plain, traceable code). An engine that does not
-        override it gets no GEMM counts."""
+        inside compiled graphs, so it must be plain, traceable code). Read only where
+        `counts_gemms` is True."""
         return None
 
     def prepare(self, model: nn.Module, optimizer, recipe: "FP8RecipeKwargs"):
-        """Adapt a (model, optimizer) pair after conversion; most engines need nothing."""
+        """Adapt a (model, optimizer) pair after conversion; most engines need nothing. Called by the
+        Accelerator only where `adapts_optimizer` is True."""
         return model, optimizer
 
     def after_optimizer_step(self, model: nn.Module) -> None:
@@ -240,8 +251,8 @@ class Backend:
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
         """Clip gradients where torch's clip_grad_norm_ cannot read this engine's gradients (MS-AMP's
-        ScalingTensor). fp8plug.Accelerator calls it only when an engine overrides it; the default
-        is torch's."""
+        ScalingTensor). fp8plug.Accelerator calls it instead of accelerate's only where
+        `clips_gradients` is True; the default is torch's."""
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def has_storageless_weights(self) -> bool:

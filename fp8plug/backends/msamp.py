@@ -86,6 +86,8 @@ class MSAMPBackend(Backend):
         "https://github.com/Azure/MS-AMP inside a torch 2.1 container (NGC pytorch:23.10)"
     )
     scalings = ("delayed",)  # MS-AMP's own amax windows; not configurable through the recipe
+    adapts_optimizer = True  # msamp.initialize(model, optimizer) converts the pair together
+    clips_gradients = True  # ScalingTensor gradients need msamp.clip_grad_norm_
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
