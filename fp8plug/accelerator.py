@@ -22,12 +22,11 @@ import contextlib
 import copy
 import inspect
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import accelerate
 import accelerate.utils
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from .api import convert_with_engine, loaded_backends
@@ -120,7 +119,6 @@ class Accelerator(accelerate.Accelerator):
         self.fp8_engine: Optional[Backend] = None
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
-        self._fp8_step_hooks: Dict[tuple, object] = {}
         # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
@@ -214,11 +212,10 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(obj, torch.optim.Optimizer):
                 args[i] = convert_optimizer(obj, self.fp8_recipe)
         self._pair_with_optimizers(args, [args[i] for i in new_models])
-        for model in self._fp8_models:  # models prepared earlier count for new optimizers too
-            for i in _holders(args, model):
-                self._hook_after_step(args[i], model)
+        # The end of each optimizer step needs nothing here: fp8plug.steps' global optimizer hook
+        # finds the converted models an optimizer trains, whenever it was prepared.
         result = super().prepare(*args, device_placement=device_placement)
-        if deepspeed:  # the step hook goes on DeepSpeed's engine instead (fp8plug.deepspeed)
+        if deepspeed:  # ZeRO's flat partitions hide the models from that hook (fp8plug.deepspeed)
             ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
         return result
 
@@ -278,19 +275,6 @@ class Accelerator(accelerate.Accelerator):
                 args[holders[0]] = new_optimizer
             if new_model is not model:
                 self._fp8_models[self._fp8_models.index(model)] = new_model
-
-    def _hook_after_step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step or ds.is_deepspeed(self):
-            return
-        key = (id(optimizer), id(model))
-        if key in self._fp8_step_hooks:
-            return
-        engine = self.fp8_engine
-        if isinstance(optimizer, AcceleratedOptimizer):
-            optimizer = optimizer.optimizer  # its step() calls the wrapped optimizer's, hooks and all
-        self._fp8_step_hooks[key] = optimizer.register_step_post_hook(
-            lambda *_args, **_kwargs: engine.after_optimizer_step(model)
-        )
 
     # training ----------------------------------------------------------------------------------------
     def fp8_coverage(self, reset: bool = False) -> dict:

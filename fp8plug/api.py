@@ -13,6 +13,7 @@ from .convert import ConversionReport
 from .coverage import describe_engine, log_conversion, logger
 from .recipe import BACKENDS, FP8RecipeKwargs
 from .roofline import with_auto_filter
+from .steps import end_step
 
 
 def convert_model(
@@ -102,9 +103,8 @@ def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
 
     fp8plug does this after every torch optimizer step by itself (fp8plug.Accelerator, Trainer
     and hand-written loops alike); call it only in a loop that has no torch optimizer, on every
-    rank alike."""
-    for engine in loaded_backends():
-        engine.sync_scaling(models, group=group)
+    rank alike (fp8plug.steps.end_step, the path every way of training takes)."""
+    end_step(models, loaded_backends(), group=group)
 
 
 def has_fp8_layers(model: nn.Module) -> bool:

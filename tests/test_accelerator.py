@@ -222,7 +222,7 @@ class CountingNative(NativeBackend):
         self.steps = 0
         self.firsts = []
 
-    def after_optimizer_step(self, model):
+    def end_step(self, models, group=None):
         self.steps += 1
 
     def microbatch(self, is_first):

@@ -239,7 +239,7 @@ def test_float8_all_gather_weight_trains_without_fsdp_and_keeps_frozen(engine):
     out.sum().backward()
     assert sqnr_db(out, ref(x)) >= 20
     assert model[0].weight.grad is not None and model[2].weight.grad is None
-    engine.after_optimizer_step(model)  # not sharded: nothing to precompute, and no error
+    engine.end_step([model])  # not sharded: nothing to precompute, and no error
     assert model[0].weight._precomputed_scale is None
 
 
@@ -352,7 +352,7 @@ def test_accelerator_converts_and_runs_the_after_step_work(monkeypatch):
     engine = accelerator.fp8_engine
     assert engine.name == "ao"
     calls = []
-    monkeypatch.setattr(engine, "after_optimizer_step", lambda model: calls.append(model))
+    monkeypatch.setattr(engine, "end_step", lambda models, group=None: calls.append(models))
     model = two_layers()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)

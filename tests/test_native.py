@@ -15,8 +15,8 @@ from fp8plug.backends.native import (
     FP8_MAX,
     NativeFP8Linear,
     native_fp8_autocast,
-    sync_fp8_scaling,
 )
+from fp8plug import sync_fp8_scaling
 from tests._numerics import sqnr_db
 
 OPTIONS = dict(scaling="delayed", fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,

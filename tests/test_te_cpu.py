@@ -394,7 +394,7 @@ def test_native_fp8_state_round_trip_resumes_exactly():
     x = torch.randn(16, 32)
     for _ in range(3):
         a(x * 3).sum().backward()
-        native.sync_scaling([a])
+        native.end_step([a])
     state = native.fp8_state(a)
     assert set(state) == {"0", "2"} and int(state["0"]["fp8_step"][0]) == 3
     b.load_state_dict(a.state_dict(), strict=True)

@@ -40,6 +40,7 @@ from ..convert import (
     module_paths, record_converted, replace_module,
 )
 from ..recipe import DEFAULTS
+from ..steps import track
 from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
 from .base import Backend, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
@@ -246,6 +247,7 @@ class AOBackend(Backend):
             module.__class__ = cls  # same state, fp8plug's forward (see AOFloat8Linear)
             replace_module(model, fqn, module, paths)  # its other names point at it too
             record_converted(model, fqn, module, module, report)
+        track(model, self)  # float8 all-gather scales are due after every optimizer step (end_step)
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -274,13 +276,17 @@ class AOBackend(Backend):
         block; the shared region flag (backends.region), so it also governs native layers."""
         return fp8_region(enabled)
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    def end_step(self, models, group=None) -> None:
         """Under FSDP2 with float8 all-gather, compute every float8 weight's scale for the next
-        all-gather in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
-        if any(_gathers_in_float8(m) for m in model.modules()):
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        all-gather in one all-reduce per model (torchao's precompute_float8_dynamic_scale_for_fsdp,
+        over FSDP's own process group, so `group` is not used). Every model this engine
+        converted is tracked (fp8plug.steps), so this runs after each optimizer step that trains
+        it; a model without such weights costs one look at its modules."""
+        for model in models:
+            if any(_gathers_in_float8(m) for m in model.modules()):
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            precompute_float8_dynamic_scale_for_fsdp(model)
+                precompute_float8_dynamic_scale_for_fsdp(model)
 
     def has_storageless_weights(self) -> bool:
         """torchao's float8 all-gather weights (data_ptr() == 0) can exist only once its fsdp_utils

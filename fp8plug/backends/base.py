@@ -246,8 +246,13 @@ class Backend:
         Accelerator only where `adapts_optimizer` is True."""
         return model, optimizer
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
-        """Work due once the optimizer has stepped (e.g. precomputing FSDP float8 scales)."""
+    def end_step(self, models, group=None) -> None:
+        """Work due once per applied optimizer step, after the update, for `models` (every model
+        this engine converted when the list is empty), with collectives over the ranks of `group`
+        (all ranks when None): native's delayed scaling update, torchao's FSDP2 float8 all-gather
+        scales. Reached only through fp8plug.steps.end_step, once per step whatever runs the
+        loop; an engine with such work tracks the models it converts (fp8plug.steps.track).
+        Default: nothing."""
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
         """Clip gradients where torch's clip_grad_norm_ cannot read this engine's gradients (MS-AMP's
@@ -266,11 +271,6 @@ class Backend:
         already `partitioned` by deepspeed.zero.Init when True), or None where it can
         (fp8plug.deepspeed turns the reason into the error)."""
         return None
-
-    def sync_scaling(self, models, group=None) -> None:
-        """End a step of delayed scaling for `models` (every model this engine converted when
-        empty): reduce amaxes across the ranks of `group` and update the scales. Engines whose
-        scaling has no state across steps, or that do this themselves, need nothing here."""
 
     # checkpoints --------------------------------------------------------------------------------
     def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from ..scaling import (
     scale_from_amax,
 )
 from . import _fused_cast as fused_cast
-from ._native_steps import _TRACKED, sync_fp8_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
+from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
 from .base import Backend, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
@@ -148,8 +148,8 @@ class NativeFP8Linear(nn.Linear):
     in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
 
     Delayed scaling (fp8plug.scaling): during a step the layer records amaxes and casts with the
-    scales set at the end of the previous step; `sync_fp8_scaling` (run after every optimizer
-    step) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
+    scales set at the end of the previous step; the end of every optimizer step
+    (NativeBackend.end_step, through fp8plug.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
     first update it scales from the current amax, so the first step cannot overflow.
     """
 
@@ -358,7 +358,7 @@ class NativeBackend(Backend):
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted for name in STATE_BUFFERS])
-        track_for_sync(model)
+        track_for_sync(model, self)
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -376,8 +376,9 @@ class NativeBackend(Backend):
     def runs_fp8(self, module: nn.Module, input) -> bool:
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
-    def sync_scaling(self, models, group=None) -> None:
-        sync_fp8_scaling(*models, group=group)
+    def end_step(self, models, group=None) -> None:
+        """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated."""
+        sync_delayed_scaling(models, group=group)
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
