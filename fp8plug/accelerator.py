@@ -33,7 +33,7 @@ from .api import convert_with_engine, loaded_backends
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
 from .backends.base import Backend
-from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
+from .checkpoint import FP8CheckpointState, install_plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
 from .cpu_processes import join_cpu_processes
@@ -349,7 +349,7 @@ class Accelerator(accelerate.Accelerator):
         state_dict = super().get_state_dict(model, unwrap=unwrap)
         if self.fp8_engine is None or state_dict is None:
             return state_dict
-        return plain_state_dict(state_dict, self.fp8_engine)
+        return self.fp8_engine.plain_state_dict(state_dict)
 
 
 def _shared_precision() -> Optional[str]:

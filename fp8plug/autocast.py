@@ -30,7 +30,7 @@ def _resolve(fp8_recipe, backend):
     if recipe is None and fp8_recipe is not None:
         # an engine's own recipe object; as in Accelerate, a TransformerEngine one unless `backend` says
         engine = get_backend(backend or "te")
-        return engine, engine.native_recipe(fp8_recipe)
+        return engine, engine.engine_recipe(fp8_recipe)
     recipe = recipe or FP8RecipeKwargs()
     return select_backend(backend or recipe.backend).backend, recipe
 

@@ -17,7 +17,6 @@ and with a long interval they would stay wrong for that many steps.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Set, Union
 
 import torch
@@ -30,28 +29,12 @@ _HOOKED = "_fp8plug_plain_state_dict"
 logger = logging.getLogger("fp8plug")
 
 
-def plain_state_dict(state_dict: Dict[str, torch.Tensor], engine: "Backend") -> "OrderedDict[str, torch.Tensor]":
-    """`state_dict` without `engine`'s own entries: only the plain architecture's keys remain.
-
-    The result is an OrderedDict in the input's key order, with its `_metadata`, as
-    `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before a
-    safetensors save only from an OrderedDict (a plain dict reaches safetensors with both names of a
-    tied weight, and it refuses to write: "Some tensors share memory")."""
-    kept = engine.plain_state_dict(OrderedDict(state_dict))
-    out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
-    out.update((key, value) for key, value in kept.items() if key not in out)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata
-    return out
-
-
 def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Backend") -> Set[str]:
-    """Which entries are the engine's own (those `plain_state_dict` drops). Given only keys (a
-    load's missing keys), each is asked about with an empty tensor as its value."""
+    """Which entries are the engine's own (those `Backend.plain_state_dict` drops). Given only
+    keys (a load's missing keys), each is asked about with an empty tensor as its value."""
     if not isinstance(entries, Mapping):
         entries = {key: torch.empty(0) for key in entries}
-    kept = engine.plain_state_dict(dict(entries))
+    kept = engine.plain_entries(dict(entries))
     return set(entries) - set(kept)
 
 

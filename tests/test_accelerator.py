@@ -310,7 +310,7 @@ class ExtraStateLinear(nn.Linear):
 class DropsExtraState:
     """The one engine method install_plain_state_dict relies on (tests fp8plug's hooks only)."""
 
-    def plain_state_dict(self, state_dict):
+    def plain_entries(self, state_dict):
         return {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
 
@@ -176,7 +177,7 @@ class Backend:
         of the engine's (scaling_name)."""
         self.scaling_name(recipe)
 
-    def native_recipe(self, recipe_object: Any) -> Any:
+    def engine_recipe(self, recipe_object: Any) -> Any:
         """Accept the engine's own recipe object (e.g. a TransformerEngine DelayedScaling) where an
         FP8RecipeKwargs is expected, returning what `autocast` takes. Default: refused."""
         raise TypeError(
@@ -273,8 +274,26 @@ class Backend:
         return None
 
     # checkpoints --------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The state dict with the engine's own entries removed: the plain architecture's keys."""
+    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+        """`state_dict` without this engine's own entries: only the plain architecture's keys remain
+        (the engine's part is `plain_entries`; engines do not override this one).
+
+        The result is an OrderedDict in the input's key order, with its `_metadata`, as
+        `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before
+        a safetensors save only from an OrderedDict (a plain dict reaches safetensors with both
+        names of a tied weight, and it refuses to write: "Some tensors share memory")."""
+        kept = self.plain_entries(OrderedDict(state_dict))
+        out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
+        out.update((key, value) for key, value in kept.items() if key not in out)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata
+        return out
+
+    def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The engine's part of `plain_state_dict`: `state_dict` with its own entries dropped and
+        its own value types made plain (in any order; fp8plug.checkpoint also asks it which keys
+        are the engine's). Default: unchanged."""
         return state_dict
 
     def microbatch(self, is_first: Optional[bool]):

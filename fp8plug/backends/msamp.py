@@ -227,7 +227,7 @@ class MSAMPBackend(Backend):
         return msamp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # checkpoints --------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The same keys (MS-AMP adds none), with ScalingTensor weights as ordinary fp32 tensors."""
         return {key: to_plain(value) for key, value in state_dict.items()}
 

@@ -13,6 +13,8 @@ compiles with fullgraph=True.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,20 @@ def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype, use_fast_accum=fast_accum)
 
 
+@dataclass(frozen=True)
+class GemmConfig:
+    """What _FP8Linear needs besides tensors, by name: the GEMMs' output dtype, grad_output's FP8
+    dtype, which GEMMs run in high precision (`override`: fprop, dgrad, wgrad), grad_output's
+    scaling mode ("delayed" or "dynamic") and the margin of its scale. Frozen, so torch.compile
+    treats it as a constant of the graph, as it did the tuple it replaces."""
+
+    out_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    override: Tuple[bool, bool, bool]
+    grad_mode: str
+    margin: int
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden.
 
@@ -70,14 +86,14 @@ class _FP8Linear(torch.autograd.Function):
     check."""
 
     @staticmethod
-    def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config):
-        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = config
+    def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config: GemmConfig):
         x_fp8, x_t, x_scale = x_cast
         w_fp8, w_t, w_scale = w_cast
+        override = config.override
         if override[0]:
-            out = F.linear(x.to(out_dtype), weight.to(out_dtype))
+            out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
         else:
-            out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, out_dtype, True)
+            out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, config.out_dtype, True)
         high = (x, weight) if override[1] or override[2] else ()
         ctx.save_for_backward(x_t, w_t, x_scale, w_scale, grad_scale, *high)
         ctx.grad_record = grad_record
@@ -87,13 +103,14 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = ctx.config
+        config: GemmConfig = ctx.config
+        out_dtype, override = config.out_dtype, config.override
         x_t, w_t, x_scale, w_scale, grad_scale, *high = ctx.saved_tensors
         # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
         # the current amax's
-        delayed = grad_mode == "delayed"
-        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, bwd_dtype, delayed, grad_scale,
-                                             grad_scale > 0 if delayed else None, margin,
+        delayed = config.grad_mode == "delayed"
+        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, config.bwd_dtype, delayed, grad_scale,
+                                             grad_scale > 0 if delayed else None, config.margin,
                                              transposed=ctx.needs_input_grad[1])
         if ctx.grad_record is not None:
             record_amax(ctx.grad_record, g_amax)
@@ -281,7 +298,7 @@ class NativeFP8Linear(nn.Linear):
         if grad_mode == "delayed":  # 0 until the slot's first update: backward then uses the current amax
             grad_scale = torch.where(self.fp8_step[GRAD_OUTPUT] > 0, grad_scale, torch.zeros_like(grad_scale))
         out_dtype = self._out_dtype(x)
-        config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
+        config = GemmConfig(out_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
         out = _FP8Linear.apply(x2, self.weight, tuple(x_cast), tuple(w_cast), grad_scale, grad_record, config)
         if self.bias is not None:
             out = out + self.bias.to(out_dtype)

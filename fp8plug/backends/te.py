@@ -59,11 +59,11 @@ from ..convert import (
 )
 from ._te_import import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from ._te_layers import (
-    accept_plain_state_dict, gemm_alignment, load_plain_state_dict, microbatch, plain_state_dict, te_linear_class,
+    accept_plain_state_dict, drop_extra_state, gemm_alignment, load_plain_state_dict, microbatch, te_linear_class,
     te_module_types,
 )
 from ._te_recipes import (
-    RECIPE_CLASSES, IntervalScaling, NativeTERecipe, TERecipePlan, plan_te_recipe, recipe_kind,
+    RECIPE_CLASSES, GivenTERecipe, IntervalScaling, TERecipePlan, plan_te_recipe, recipe_kind,
     scaling_hardware_problem, warn_once,
 )
 from .base import Backend, Probe, Speed, probe_import
@@ -177,9 +177,9 @@ class TEBackend(Backend):
             raise ValueError(problem)
 
     def te_recipe(self, recipe=None):
-        """The TE recipe object for an FP8RecipeKwargs (or a NativeTERecipe's own), built once per
+        """The TE recipe object for an FP8RecipeKwargs (or a GivenTERecipe's own), built once per
         distinct setting and device so TE sees the same object every step."""
-        if isinstance(recipe, NativeTERecipe):
+        if isinstance(recipe, GivenTERecipe):
             return recipe.te_recipe
         if recipe is None:
             from ..recipe import FP8RecipeKwargs
@@ -208,7 +208,7 @@ class TEBackend(Backend):
             kwargs["scaling_factor_compute_algo"] = IntervalScaling(plan.interval)
         return getattr(module, plan.class_name)(**kwargs)
 
-    def native_recipe(self, te_recipe) -> NativeTERecipe:
+    def engine_recipe(self, te_recipe) -> GivenTERecipe:
         """Accept a TransformerEngine recipe object as is (contextual_fp8_autocast does this)."""
         base = getattr(importlib.import_module("transformer_engine.common.recipe"), "Recipe", None)
         if base is not None and not isinstance(te_recipe, base):
@@ -216,7 +216,7 @@ class TEBackend(Backend):
                 "fp8_recipe: give an fp8plug.FP8RecipeKwargs or a TransformerEngine recipe "
                 f"(transformer_engine.common.recipe.DelayedScaling, ...), not {type(te_recipe).__name__}."
             )
-        return NativeTERecipe(te_recipe)
+        return GivenTERecipe(te_recipe)
 
     # conversion -------------------------------------------------------------------------------------
     def eligibility(self, scaling: str, convert_linear: bool, convert_norm: bool) -> dict:
@@ -269,7 +269,7 @@ class TEBackend(Backend):
             from ..recipe import FP8RecipeKwargs
 
             recipe = FP8RecipeKwargs(backend="te")
-        if isinstance(recipe, NativeTERecipe):
+        if isinstance(recipe, GivenTERecipe):
             scaling = recipe_kind(recipe.te_recipe)
         else:
             scaling = self.scaling_name(recipe)
@@ -362,8 +362,8 @@ class TEBackend(Backend):
         return microbatch(is_first)
 
     # checkpoints ------------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict):
-        return plain_state_dict(state_dict)
+    def plain_entries(self, state_dict):
+        return drop_extra_state(state_dict)
 
     def load_plain_state_dict(self, model: nn.Module, state_dict, strict: bool = True):
         return load_plain_state_dict(model, state_dict, strict)
