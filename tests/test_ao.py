@@ -243,6 +243,22 @@ def test_float8_all_gather_weight_trains_without_fsdp_and_keeps_frozen(engine):
     assert model[0].weight._precomputed_scale is None
 
 
+def test_a_hand_written_loop_ends_each_step_for_the_models_its_optimizer_trains(engine, monkeypatch):
+    """fp8plug.steps' one global optimizer hook ends the step for the models an optimizer steps,
+    without an Accelerator: once per step, and not for a converted model it does not train."""
+    calls = []
+    monkeypatch.setattr(engine, "end_step", lambda models, group=None: calls.append(models))
+    model, other = two_layers(), two_layers()
+    engine.convert(model, recipe())
+    engine.convert(other, recipe())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(32, 64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert calls == [[model], [model]]
+
+
 def test_emulation_on_a_machine_without_a_gpu(monkeypatch):
     """torch's CPU _scaled_mm can take oneDNN's reference kernel (1 s for a 512x128x512 GEMM on an
     AMX Xeon): torchao is told to emulate wherever no GPU is visible."""
