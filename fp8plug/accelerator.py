@@ -29,10 +29,10 @@ import accelerate.utils
 import torch
 from torch import nn
 
-from .api import convert_with_engine, loaded_backends
+from .api import convert_with_engine, loaded_engines
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
-from .backends.base import Backend
+from .backends.base import Engine
 from .checkpoint import FP8CheckpointState, install_plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
@@ -72,7 +72,7 @@ class Accelerator(accelerate.Accelerator):
     argument, or `accelerate launch --mixed_precision fp8`, or a config file); the recipe is the
     `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
 
-    Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Backend),
+    Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Engine),
     `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model);
     `fp8_coverage()` counts what ran in FP8. `fp8_backend` names the engine in use ("native",
     "ao", "te", "msamp": an FP8EngineName, equal to no FP8BackendType member, so accelerate's
@@ -116,7 +116,7 @@ class Accelerator(accelerate.Accelerator):
         self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe
         self.fp8_recipe_handler = recipe
         self.fp8_selection = None
-        self.fp8_engine: Optional[Backend] = None
+        self.fp8_engine: Optional[Engine] = None
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
         # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
@@ -163,7 +163,7 @@ class Accelerator(accelerate.Accelerator):
         # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
         # torchao's float8 weight wrapper (whose data_ptr() is 0) only when it believes torchao is
         # the FP8 backend; an engine says whether such weights can exist (has_storageless_weights).
-        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_backends())
+        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_engines())
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
         finally:

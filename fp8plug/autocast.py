@@ -22,10 +22,10 @@ _MARK = "_fp8plug_autocast"
 def _resolve(fp8_recipe, backend):
     """(engine, recipe) from an FP8RecipeKwargs and an optional engine (name or object)."""
     from .backends import get_backend, select_backend
-    from .backends.base import Backend
+    from .backends.base import Engine
 
     recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
-    if isinstance(backend, Backend):
+    if isinstance(backend, Engine):
         return backend, recipe or FP8RecipeKwargs(backend=backend.name)
     if recipe is None and fp8_recipe is not None:
         # an engine's own recipe object; as in Accelerate, a TransformerEngine one unless `backend` says

@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
+    from .backends.base import Engine
 
 _HOOKED = "_fp8plug_plain_state_dict"
 logger = logging.getLogger("fp8plug")
 
 
-def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Backend") -> Set[str]:
-    """Which entries are the engine's own (those `Backend.plain_state_dict` drops). Given only
+def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Engine") -> Set[str]:
+    """Which entries are the engine's own (those `Engine.plain_state_dict` drops). Given only
     keys (a load's missing keys), each is asked about with an empty tensor as its value."""
     if not isinstance(entries, Mapping):
         entries = {key: torch.empty(0) for key in entries}
@@ -38,7 +38,7 @@ def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Backe
     return set(entries) - set(kept)
 
 
-def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
+def install_plain_state_dict(model: nn.Module, engine: "Engine") -> nn.Module:
     """Make `model.state_dict()` give the plain keys, and `model.load_state_dict(plain, strict=True)`
     accept a plain checkpoint (the engine's own entries may be missing); once per model."""
     if getattr(model, _HOOKED, None) is engine:
@@ -66,7 +66,7 @@ def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
 RECIPE_FIELDS = ("backend", "scaling", "fp8_format", "margin", "amax_history_len", "amax_compute_algo", "interval")
 
 
-def recipe_record(engine: "Backend", recipe) -> Dict[str, Any]:
+def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     """The recipe fields of RECIPE_FIELDS as plain values (what a checkpoint stores with the FP8
     state): the engine's name and the scaling it resolves the recipe to."""
     record = {name: getattr(recipe, name, None) for name in RECIPE_FIELDS}
@@ -84,7 +84,7 @@ class FP8CheckpointState:
     when that happens, so the object can be made before any is prepared.
     """
 
-    def __init__(self, engine: "Backend", models: List[nn.Module], recipe=None):
+    def __init__(self, engine: "Engine", models: List[nn.Module], recipe=None):
         self.engine = engine
         self.models = models  # the accelerator's own list, filled by prepare()
         self.recipe = recipe

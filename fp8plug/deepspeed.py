@@ -14,7 +14,7 @@ handles them:
   instead: when it applied an optimizer step (its `global_steps` advanced), the FP8 engine's
   end-of-step work runs once (fp8plug.steps.end_step).
 - Combinations that cannot work are refused before anything is built: each engine says why in
-  `Backend.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
+  `Engine.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
   construction by `deepspeed.zero.Init` is asked about too; the engines that ship convert it by
   taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside

@@ -28,7 +28,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from .api import loaded_backends, unconvert_model
+from .api import loaded_engines, unconvert_model
 from .autocast import remove_fp8_autowrap
 
 logger = logging.getLogger("fp8plug")
@@ -152,6 +152,6 @@ def _kept_reason(name: str, module: nn.Linear, ignore) -> Optional[str]:
 def _plain_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The model's state dict with the plain architecture's keys (every engine's entries dropped)."""
     state = model.state_dict()
-    for engine in loaded_backends():
+    for engine in loaded_engines():
         state = engine.plain_state_dict(state)
     return state

@@ -4,7 +4,7 @@ Some engines have work due once per applied optimizer step, after the update: th
 engine's delayed scaling (amaxes reduced across ranks, histories and scales updated), torchao's
 float8 all-gather scales under FSDP2. Run twice, a delayed-scaling history advances twice; run
 never, the scales stay those of the first step. So the work is one protocol method,
-`Backend.end_step`, reached only through `end_step` below, and each way of training calls that
+`Engine.end_step`, reached only through `end_step` below, and each way of training calls that
 function exactly once per step:
 
 - a torch optimizer's `step()` (a hand-written loop, fp8plug.Accelerator, a Trainer): one global
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Dict, Iterable, List
 from torch import nn
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
+    from .backends.base import Engine
 
 # Tracked models and their engine, in the order they were tracked (a WeakKeyDictionary keeps
 # insertion order), so every rank ends its steps for the same models in the same order and the
 # engines' collectives line up.
-_TRACKED: "weakref.WeakKeyDictionary[nn.Module, Backend]" = weakref.WeakKeyDictionary()
+_TRACKED: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
 _HOOK: list = []  # the handle of the global optimizer step post hook, once installed
 
 
-def track(model: nn.Module, engine: "Backend") -> None:
+def track(model: nn.Module, engine: "Engine") -> None:
     """End `engine`'s steps for `model` after every optimizer step that trains it. A model tracked
     again takes the latest engine; modules inside it stop being tracked on their own (the model's
     step covers them, and tracking both would end their step twice)."""
@@ -49,10 +49,10 @@ def track(model: nn.Module, engine: "Backend") -> None:
         _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
 
 
-def end_step(models: Iterable[nn.Module], engines: Iterable["Backend"], group=None) -> None:
+def end_step(models: Iterable[nn.Module], engines: Iterable["Engine"], group=None) -> None:
     """End an optimizer step now: each of `engines` does its end-of-step work for `models` (every
     model it converted when none are given), collectives over the ranks of `group` (all ranks by
-    default). The one caller of Backend.end_step."""
+    default). The one caller of Engine.end_step."""
     models = list(models)
     for engine in engines:
         engine.end_step(models, group=group)
@@ -60,7 +60,7 @@ def end_step(models: Iterable[nn.Module], engines: Iterable["Backend"], group=No
 
 def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    trained: Dict["Backend", List[nn.Module]] = {}
+    trained: Dict["Engine", List[nn.Module]] = {}
     for model, engine in list(_TRACKED.items()):
         if any(id(p) in stepped for p in model.parameters()):
             trained.setdefault(engine, []).append(model)

@@ -1,5 +1,5 @@
 """The native engine's end of step: delayed scaling's once-per-step update of every converted model
-(NativeBackend.end_step, which fp8plug.steps calls after each optimizer step) and the guard that
+(NativeEngine.end_step, which fp8plug.steps calls after each optimizer step) and the guard that
 forgets what a skipped step recorded. Split from native.py, which imports it; the layers
 themselves (NativeFP8Linear) are recognised by the scaling state they carry."""
 
@@ -80,9 +80,9 @@ def track_for_sync(model: nn.Module, engine=None) -> None:
             inner.handle = None
     if engine is None:
         if not _ENGINE:
-            from .native import NativeBackend
+            from .native import NativeEngine
 
-            _ENGINE.append(NativeBackend())
+            _ENGINE.append(NativeEngine())
         engine = _ENGINE[0]
     track(model, engine)
 
@@ -100,7 +100,7 @@ def _delayed_layers(models) -> List[nn.Module]:
 def sync_delayed_scaling(models, group=None) -> None:
     """End a step of delayed scaling for `models` (default: every converted model): reduce the
     recorded amaxes (max) across the ranks of `group` (default: all ranks) in one collective for
-    all layers, push them into the histories and recompute the scales. NativeBackend.end_step;
+    all layers, push them into the histories and recompute the scales. NativeEngine.end_step;
     every rank must run it the same number of times, as with any collective."""
     layers = _delayed_layers(list(models) or list(_TRACKED))
     if not layers:

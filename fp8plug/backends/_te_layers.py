@@ -158,7 +158,7 @@ def _is_te_extra_state(key: str, value) -> bool:
 
 
 def drop_extra_state(state_dict: Mapping[str, Any]) -> "OrderedDict[str, Any]":
-    """`state_dict` without TE's `_extra_state` entries (TEBackend.plain_entries)."""
+    """`state_dict` without TE's `_extra_state` entries (TEEngine.plain_entries)."""
     return OrderedDict((k, v) for k, v in state_dict.items() if not _is_te_extra_state(k, v))
 
 

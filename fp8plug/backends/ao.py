@@ -42,7 +42,7 @@ from ..convert import (
 from ..recipe import DEFAULTS
 from ..steps import track
 from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
-from .base import Backend, Probe, Speed, probe_import
+from .base import Engine, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -124,7 +124,7 @@ def __getattr__(name):
 # --- the engine ------------------------------------------------------------------------------------
 
 
-class AOBackend(Backend):
+class AOEngine(Engine):
     """torchao float8 training (see the module doc)."""
 
     name = "ao"
@@ -294,11 +294,11 @@ class AOBackend(Backend):
         return "torchao.float8.fsdp_utils" in sys.modules
 
 
-def plan_fqns(model, backend, alignment_problem, modules_to_ignore, module_filter_fn):
+def plan_fqns(model, engine, alignment_problem, modules_to_ignore, module_filter_fn):
     """The shared conversion rules for torchao's own converters, which take a filter rather than
     modules: (the fully-qualified names to convert, the report of every skipped candidate)."""
     targets, report = plan_conversion(
-        model, backend.name, {nn.Linear: alignment_problem}, backend.is_converted, modules_to_ignore, module_filter_fn,
+        model, engine.name, {nn.Linear: alignment_problem}, engine.is_converted, modules_to_ignore, module_filter_fn,
     )
     planned = [fqn for fqn, _ in targets]
     if "" in planned:
@@ -360,12 +360,12 @@ def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 
-def _convert_mx(backend: AOBackend, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
+def _convert_mx(engine: AOEngine, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
     """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
     (in place), under the shared conversion rules with MXFP8's block alignment."""
     from torchao.quantization import quantize_
 
-    planned, report = plan_fqns(model, backend, mx_alignment_problem, modules_to_ignore, module_filter_fn)
+    planned, report = plan_fqns(model, engine, mx_alignment_problem, modules_to_ignore, module_filter_fn)
     if not planned:
         return report
     wanted = frozenset(planned)

@@ -107,11 +107,11 @@ class Speed:
     scaling: Optional[str] = None
 
 
-# where Backend.measured comes from, for `fp8plug env` and the selection's explanation
+# where Engine.measured comes from, for `fp8plug env` and the selection's explanation
 MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/hf_llama.py (docs/performance.md)"
 
 
-class Backend:
+class Engine:
     """One FP8 engine behind one protocol. Subclasses set the class attributes and override what
     their engine does; the defaults are what an engine that needs nothing there would do."""
 

@@ -45,7 +45,7 @@ from torch import nn
 from ..convert import ConversionReport, check_convertible, linear_alignment_problem, plan_conversion, replace_module
 from ..hardware import DeviceInfo
 from ..recipe import OPT_LEVELS
-from .base import Backend, Probe, probe_import
+from .base import Engine, Probe, probe_import
 
 CANNOT_INSTALL = (
     "MS-AMP as released does not install on current stacks: it is source-only, pins torch 2.1, "
@@ -75,7 +75,7 @@ def to_plain(value):
     return value.float().detach() if is_scaling_tensor(value) else value
 
 
-class MSAMPBackend(Backend):
+class MSAMPEngine(Engine):
     """MS-AMP: FP8 weights, gradients and communication (O1) and FP8/FP16 Adam states (O2)."""
 
     name = "msamp"

@@ -40,7 +40,7 @@ from ..scaling import (
 )
 from . import _fused_cast as fused_cast
 from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
-from .base import Backend, Probe, Speed
+from .base import Engine, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -166,7 +166,7 @@ class NativeFP8Linear(nn.Linear):
 
     Delayed scaling (fp8plug.scaling): during a step the layer records amaxes and casts with the
     scales set at the end of the previous step; the end of every optimizer step
-    (NativeBackend.end_step, through fp8plug.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
+    (NativeEngine.end_step, through fp8plug.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
     first update it scales from the current amax, so the first step cannot overflow.
     """
 
@@ -320,7 +320,7 @@ class NativeFP8Linear(nn.Linear):
 # --- the engine --------------------------------------------------------------------------------------
 
 
-class NativeBackend(Backend):
+class NativeEngine(Engine):
     """fp8plug's own engine: always importable, runs on the CPU and on CUDA sm_89+."""
 
     name = "native"

@@ -21,7 +21,7 @@ What it does, and why:
      own rule, rather than on the model's first argument: what a Linear sees (after reshapes,
      padding, prefixes) is not knowable from the top-level input, and catching TE's ValueError
      would mean re-running a half-done forward.
-  2. Gradient accumulation: inside `TEBackend.microbatch(is_first)` each TELinear gets
+  2. Gradient accumulation: inside `TEEngine.microbatch(is_first)` each TELinear gets
      `is_first_microbatch=is_first` unless the caller passes it. True on the first micro-batch
      after an optimizer step, False on the others: TE then quantizes each weight once per step
      and reuses the FP8 copy. Never leave it False across an optimizer step (stale weights).
@@ -66,7 +66,7 @@ from ._te_recipes import (
     RECIPE_CLASSES, GivenTERecipe, IntervalScaling, TERecipePlan, plan_te_recipe, recipe_kind,
     scaling_hardware_problem, warn_once,
 )
-from .base import Backend, Probe, Speed, probe_import
+from .base import Engine, Probe, Speed, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -99,7 +99,7 @@ def _keep_rng(device: torch.device):
         yield
 
 
-class TEBackend(Backend):
+class TEEngine(Engine):
     """NVIDIA TransformerEngine. See the module docstring for behaviour and quirks.
 
     Gradient accumulation: wrap each micro-batch's forward in `engine.microbatch(is_first)`
