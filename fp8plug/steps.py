@@ -21,7 +21,7 @@ rule "which models did this optimizer step train" is written once for all of the
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Dict, Iterable, List
+from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
 from torch import nn
 
@@ -38,7 +38,7 @@ _HOOK: list = []  # the handle of the global optimizer step post hook, once inst
 def track(model: nn.Module, engine: "Engine") -> None:
     """End `engine`'s steps for `model` after every optimizer step that trains it. A model tracked
     again takes the latest engine; modules inside it stop being tracked on their own (the model's
-    step covers them, and tracking both would end their step twice)."""
+    step covers them)."""
     for module in model.modules():
         if module is not model:
             _TRACKED.pop(module, None)
@@ -59,10 +59,13 @@ def end_step(models: Iterable[nn.Module], engines: Iterable["Engine"], group=Non
 
 
 def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
+    """The tracked models `optimizer` trains, in one end_step call per engine (by name: a layer
+    built directly and a model converted through the registry may hold different objects of one
+    engine, and their step is still one, e.g. one all-reduce for all their delayed layers)."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    trained: Dict["Engine", List[nn.Module]] = {}
+    trained: Dict[str, Tuple["Engine", List[nn.Module]]] = {}
     for model, engine in list(_TRACKED.items()):
         if any(id(p) in stepped for p in model.parameters()):
-            trained.setdefault(engine, []).append(model)
-    for engine, models in trained.items():
+            trained.setdefault(engine.name, (engine, []))[1].append(model)
+    for engine, models in trained.values():
         end_step(models, [engine])
