@@ -22,19 +22,18 @@ import contextlib
 import copy
 import inspect
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import accelerate
 import accelerate.utils
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from .api import convert_with_engine, loaded_backends
+from .api import convert_with_engine, loaded_engines
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
-from .backends.base import Backend
-from .checkpoint import FP8CheckpointState, install_plain_state_dict, plain_state_dict
+from .backends.base import Engine
+from .checkpoint import FP8CheckpointState, install_plain_state_dict
 from .convert import ConversionError, ConversionReport, check_convertible
 from .coverage import fp8_coverage, is_main_process, logger
 from .cpu_processes import join_cpu_processes
@@ -73,7 +72,7 @@ class Accelerator(accelerate.Accelerator):
     argument, or `accelerate launch --mixed_precision fp8`, or a config file); the recipe is the
     `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
 
-    Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Backend),
+    Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Engine),
     `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model);
     `fp8_coverage()` counts what ran in FP8. `fp8_backend` names the engine in use ("native",
     "ao", "te", "msamp": an FP8EngineName, equal to no FP8BackendType member, so accelerate's
@@ -117,10 +116,9 @@ class Accelerator(accelerate.Accelerator):
         self.fp8_recipe: Optional[FP8RecipeKwargs] = recipe
         self.fp8_recipe_handler = recipe
         self.fp8_selection = None
-        self.fp8_engine: Optional[Backend] = None
+        self.fp8_engine: Optional[Engine] = None
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
-        self._fp8_step_hooks: Dict[tuple, object] = {}
         # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
@@ -165,7 +163,7 @@ class Accelerator(accelerate.Accelerator):
         # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
         # torchao's float8 weight wrapper (whose data_ptr() is 0) only when it believes torchao is
         # the FP8 backend; an engine says whether such weights can exist (has_storageless_weights).
-        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_backends())
+        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_engines())
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
         finally:
@@ -214,11 +212,10 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(obj, torch.optim.Optimizer):
                 args[i] = convert_optimizer(obj, self.fp8_recipe)
         self._pair_with_optimizers(args, [args[i] for i in new_models])
-        for model in self._fp8_models:  # models prepared earlier count for new optimizers too
-            for i in _holders(args, model):
-                self._hook_after_step(args[i], model)
+        # The end of each optimizer step needs nothing here: fp8plug.steps' global optimizer hook
+        # finds the converted models an optimizer trains, whenever it was prepared.
         result = super().prepare(*args, device_placement=device_placement)
-        if deepspeed:  # the step hook goes on DeepSpeed's engine instead (fp8plug.deepspeed)
+        if deepspeed:  # ZeRO's flat partitions hide the models from that hook (fp8plug.deepspeed)
             ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
         return result
 
@@ -261,7 +258,7 @@ class Accelerator(accelerate.Accelerator):
         """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP: the optimizer in
         the same prepare() call that holds the model's parameters, or None)."""
         engine = self.fp8_engine
-        if type(engine).prepare is Backend.prepare:
+        if not engine.adapts_optimizer:
             return
         for model in models:
             holders = _holders(args, model)
@@ -278,19 +275,6 @@ class Accelerator(accelerate.Accelerator):
                 args[holders[0]] = new_optimizer
             if new_model is not model:
                 self._fp8_models[self._fp8_models.index(model)] = new_model
-
-    def _hook_after_step(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        if type(self.fp8_engine).after_optimizer_step is Backend.after_optimizer_step or ds.is_deepspeed(self):
-            return
-        key = (id(optimizer), id(model))
-        if key in self._fp8_step_hooks:
-            return
-        engine = self.fp8_engine
-        if isinstance(optimizer, AcceleratedOptimizer):
-            optimizer = optimizer.optimizer  # its step() calls the wrapped optimizer's, hooks and all
-        self._fp8_step_hooks[key] = optimizer.register_step_post_hook(
-            lambda *_args, **_kwargs: engine.after_optimizer_step(model)
-        )
 
     # training ----------------------------------------------------------------------------------------
     def fp8_coverage(self, reset: bool = False) -> dict:
@@ -326,7 +310,7 @@ class Accelerator(accelerate.Accelerator):
         """accelerate's clip_grad_norm_, or the engine's own where torch's cannot read its
         gradients (MS-AMP's ScalingTensor gradients)."""
         engine = self.fp8_engine
-        if engine is None or type(engine).clip_grad_norm_ is Backend.clip_grad_norm_:
+        if engine is None or not engine.clips_gradients:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -365,7 +349,7 @@ class Accelerator(accelerate.Accelerator):
         state_dict = super().get_state_dict(model, unwrap=unwrap)
         if self.fp8_engine is None or state_dict is None:
             return state_dict
-        return plain_state_dict(state_dict, self.fp8_engine)
+        return self.fp8_engine.plain_state_dict(state_dict)
 
 
 def _shared_precision() -> Optional[str]:

@@ -8,11 +8,12 @@ from typing import Optional
 from torch import nn
 
 from .backends import get_backend, select_backend
-from .backends.base import Backend
+from .backends.base import Engine
 from .convert import ConversionReport
 from .coverage import describe_engine, log_conversion, logger
 from .recipe import BACKENDS, FP8RecipeKwargs
 from .roofline import with_auto_filter
+from .steps import end_step
 
 
 def convert_model(
@@ -52,7 +53,7 @@ def convert_model(
     return report
 
 
-def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Backend) -> None:
+def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Engine) -> None:
     """Norm conversion was asked for by name: say so where the engine converted no norm layer."""
     norms = [fqn for fqn, m in model.named_modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))]
     converted_others = set(report.converted) - set(report.linears)
@@ -63,7 +64,7 @@ def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Backend
             engine.name, len(norms), ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else ""))
 
 
-def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Backend, device, *,
+def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Engine, device, *,
                         auto_filter: bool = True, linear: bool = True, norm: bool = True) -> ConversionReport:
     """The one conversion path (convert_model and fp8plug.Accelerator both take it): check the
     recipe against the engine, add the automatic speed filter where `auto_filter` (fp8plug.roofline
@@ -77,14 +78,14 @@ def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Backe
     return report
 
 
-def loaded_backends():
+def loaded_engines():
     """The engines whose modules are already imported: only they can have converted a model."""
     return [get_backend(n) for n in BACKENDS if f"fp8plug.backends.{n}" in sys.modules]
 
 
 def unconvert_model(model: nn.Module) -> nn.Module:
     """Swap every engine's FP8 modules back for torch modules with the same weights, in place."""
-    for engine in loaded_backends():
+    for engine in loaded_engines():
         engine.unconvert(model)
     return model
 
@@ -102,11 +103,10 @@ def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
 
     fp8plug does this after every torch optimizer step by itself (fp8plug.Accelerator, Trainer
     and hand-written loops alike); call it only in a loop that has no torch optimizer, on every
-    rank alike."""
-    for engine in loaded_backends():
-        engine.sync_scaling(models, group=group)
+    rank alike (fp8plug.steps.end_step, the path every way of training takes)."""
+    end_step(models, loaded_engines(), group=group)
 
 
 def has_fp8_layers(model: nn.Module) -> bool:
     """Whether `model` holds FP8 modules of any engine."""
-    return any(engine.is_converted(m) for engine in loaded_backends() for m in model.modules())
+    return any(engine.is_converted(m) for engine in loaded_engines() for m in model.modules())

@@ -22,15 +22,15 @@ _MARK = "_fp8plug_autocast"
 def _resolve(fp8_recipe, backend):
     """(engine, recipe) from an FP8RecipeKwargs and an optional engine (name or object)."""
     from .backends import get_backend, select_backend
-    from .backends.base import Backend
+    from .backends.base import Engine
 
     recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
-    if isinstance(backend, Backend):
+    if isinstance(backend, Engine):
         return backend, recipe or FP8RecipeKwargs(backend=backend.name)
     if recipe is None and fp8_recipe is not None:
         # an engine's own recipe object; as in Accelerate, a TransformerEngine one unless `backend` says
         engine = get_backend(backend or "te")
-        return engine, engine.native_recipe(fp8_recipe)
+        return engine, engine.engine_recipe(fp8_recipe)
     recipe = recipe or FP8RecipeKwargs()
     return select_backend(backend or recipe.backend).backend, recipe
 

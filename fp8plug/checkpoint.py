@@ -17,45 +17,28 @@ and with a long interval they would stay wrong for that many steps.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Set, Union
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
+    from .backends.base import Engine
 
 _HOOKED = "_fp8plug_plain_state_dict"
 logger = logging.getLogger("fp8plug")
 
 
-def plain_state_dict(state_dict: Dict[str, torch.Tensor], engine: "Backend") -> "OrderedDict[str, torch.Tensor]":
-    """`state_dict` without `engine`'s own entries: only the plain architecture's keys remain.
-
-    The result is an OrderedDict in the input's key order, with its `_metadata`, as
-    `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before a
-    safetensors save only from an OrderedDict (a plain dict reaches safetensors with both names of a
-    tied weight, and it refuses to write: "Some tensors share memory")."""
-    kept = engine.plain_state_dict(OrderedDict(state_dict))
-    out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
-    out.update((key, value) for key, value in kept.items() if key not in out)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata
-    return out
-
-
-def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Backend") -> Set[str]:
-    """Which entries are the engine's own (those `plain_state_dict` drops). Given only keys (a
-    load's missing keys), each is asked about with an empty tensor as its value."""
+def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Engine") -> Set[str]:
+    """Which entries are the engine's own (those `Engine.plain_state_dict` drops). Given only
+    keys (a load's missing keys), each is asked about with an empty tensor as its value."""
     if not isinstance(entries, Mapping):
         entries = {key: torch.empty(0) for key in entries}
-    kept = engine.plain_state_dict(dict(entries))
+    kept = engine.plain_entries(dict(entries))
     return set(entries) - set(kept)
 
 
-def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
+def install_plain_state_dict(model: nn.Module, engine: "Engine") -> nn.Module:
     """Make `model.state_dict()` give the plain keys, and `model.load_state_dict(plain, strict=True)`
     accept a plain checkpoint (the engine's own entries may be missing); once per model."""
     if getattr(model, _HOOKED, None) is engine:
@@ -83,7 +66,7 @@ def install_plain_state_dict(model: nn.Module, engine: "Backend") -> nn.Module:
 RECIPE_FIELDS = ("backend", "scaling", "fp8_format", "margin", "amax_history_len", "amax_compute_algo", "interval")
 
 
-def recipe_record(engine: "Backend", recipe) -> Dict[str, Any]:
+def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     """The recipe fields of RECIPE_FIELDS as plain values (what a checkpoint stores with the FP8
     state): the engine's name and the scaling it resolves the recipe to."""
     record = {name: getattr(recipe, name, None) for name in RECIPE_FIELDS}
@@ -101,7 +84,7 @@ class FP8CheckpointState:
     when that happens, so the object can be made before any is prepared.
     """
 
-    def __init__(self, engine: "Backend", models: List[nn.Module], recipe=None):
+    def __init__(self, engine: "Engine", models: List[nn.Module], recipe=None):
         self.engine = engine
         self.models = models  # the accelerator's own list, filled by prepare()
         self.recipe = recipe

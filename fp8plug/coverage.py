@@ -12,7 +12,7 @@ incremented in place by a forward pre-hook, so a compiled graph mutates a buffer
 (no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
 left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
 the converted root). Whether a call runs in FP8 is the engine's answer
-(`Backend.runs_fp8(module, input)`); an engine that does not say gets no counter.
+(`Engine.runs_fp8(module, input)`); an engine that does not say gets no counter.
 
 What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
 the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
@@ -91,10 +91,8 @@ def _engine(backend: str):
 
 
 def engine_counts(backend: str) -> bool:
-    """Whether the engine says, per call, whether a layer runs in FP8 (Backend.runs_fp8)."""
-    from .backends.base import Backend
-
-    return type(_engine(backend)).runs_fp8 is not Backend.runs_fp8
+    """Whether the engine says, per call, whether a layer runs in FP8 (Engine.counts_gemms)."""
+    return _engine(backend).counts_gemms
 
 
 def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> bool:

@@ -12,9 +12,9 @@ handles them:
   never with the model's own parameters, so delayed scaling (amax reduction across ranks, scale
   update) would run never or several times. Here the DeepSpeed engine's `step()` is wrapped
   instead: when it applied an optimizer step (its `global_steps` advanced), the FP8 engine's
-  end-of-step work runs once (`Backend.sync_scaling`, `Backend.after_optimizer_step`).
+  end-of-step work runs once (fp8plug.steps.end_step).
 - Combinations that cannot work are refused before anything is built: each engine says why in
-  `Backend.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
+  `Engine.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
   construction by `deepspeed.zero.Init` is asked about too; the engines that ship convert it by
   taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Iterable, List, Optional
 from torch import nn
 
 from .cpu_processes import env_flag
+from .steps import end_step
 
 if TYPE_CHECKING:
     from .accelerator import Accelerator
@@ -150,8 +151,7 @@ def _wrap_step(ds_engine, fp8_engine, model: nn.Module) -> None:
         before = ds_engine.global_steps
         result = original(*args, **kwargs)
         if ds_engine.global_steps != before:  # an optimizer step ran (not a mid-accumulation call)
-            fp8_engine.sync_scaling([model])
-            fp8_engine.after_optimizer_step(model)
+            end_step([model], [fp8_engine])
         return result
 
     ds_engine.step = step

@@ -28,9 +28,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from .api import loaded_backends, unconvert_model
+from .api import loaded_engines, unconvert_model
 from .autocast import remove_fp8_autowrap
-from .checkpoint import plain_state_dict
 from .convert import linear_alignment_problem
 
 logger = logging.getLogger("fp8plug")
@@ -96,7 +95,7 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *,
     tensors: Dict[str, torch.Tensor] = {}
     stored: Dict[int, str] = {}  # data_ptr -> the name it was stored under
     linears = {name: m for name, m in inner.named_modules() if isinstance(m, nn.Linear)}
-    for name, tensor in _plain_state_dict(inner).items():
+    for name, tensor in _plain_weights(inner).items():
         module_name, _, leaf = name.rpartition(".")
         module = linears.get(module_name)
         if tensor.data_ptr() in stored and tensor.numel() > 0:  # tied: stored once, re-tied by the config
@@ -149,9 +148,9 @@ def _kept_reason(name: str, module: nn.Linear, ignore) -> Optional[str]:
     return linear_alignment_problem(module)  # the conversion's own shape rule
 
 
-def _plain_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The model's state dict with the plain architecture's keys (engine entries dropped)."""
+def _plain_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state dict with the plain architecture's keys (every engine's entries dropped)."""
     state = model.state_dict()
-    for engine in loaded_backends():
-        state = plain_state_dict(state, engine)
+    for engine in loaded_engines():
+        state = engine.plain_state_dict(state)
     return state

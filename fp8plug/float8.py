@@ -30,6 +30,7 @@ from torch import nn
 from .backends import get_backend
 from .convert import ConversionError, ConversionReport
 from .coverage import describe_engine, log_conversion
+from .steps import end_step
 
 __all__ = [
     "AOFloat8LinearConfig",
@@ -494,7 +495,9 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
 def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     """After an optimizer step under FSDP2 with float8 all-gather, compute every float8 weight's
     scale for the next all-gather in a single all-reduce (torchao's function). Does nothing for a
-    model without such weights, or where torchao is not installed."""
+    model without such weights, or where torchao is not installed. fp8plug also does it by itself
+    after every optimizer step that trains an ao-converted model (fp8plug.steps), so a call here
+    after one only repeats that all-reduce."""
     engine = get_backend("ao")
     if engine.probe().available:
-        engine.after_optimizer_step(model)
+        end_step([model], [engine])

@@ -12,7 +12,7 @@ from torch import nn
 import fp8plug
 from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
 from fp8plug.accelerator import _rebind_optimizers
-from fp8plug.backends.native import NativeBackend, NativeFP8Linear
+from fp8plug.backends.native import NativeEngine, NativeFP8Linear
 from fp8plug.checkpoint import install_plain_state_dict
 from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._hf import fresh
@@ -149,7 +149,7 @@ def test_several_models_and_optimizers_in_one_call():
         assert {id(p) for p in model.parameters()} == {id(p) for g in opt.param_groups for p in g["params"]}
 
 
-class CloningNative(NativeBackend):
+class CloningNative(NativeEngine):
     """Native, but conversion makes new Parameter objects (as TransformerEngine does): tests that
     prepare() moves the optimizer to them. Not a claim about any real engine."""
 
@@ -214,7 +214,7 @@ def test_sharded_or_ddp_wrapped_model_is_refused(tmp_path):
     assert not acc.fp8_reports
 
 
-class CountingNative(NativeBackend):
+class CountingNative(NativeEngine):
     """Native plus a record of the after-step and micro-batch calls prepare() and accumulate() make
     (tests fp8plug's own wiring, not an engine)."""
 
@@ -222,7 +222,7 @@ class CountingNative(NativeBackend):
         self.steps = 0
         self.firsts = []
 
-    def after_optimizer_step(self, model):
+    def end_step(self, models, group=None):
         self.steps += 1
 
     def microbatch(self, is_first):
@@ -310,7 +310,7 @@ class ExtraStateLinear(nn.Linear):
 class DropsExtraState:
     """The one engine method install_plain_state_dict relies on (tests fp8plug's hooks only)."""
 
-    def plain_state_dict(self, state_dict):
+    def plain_entries(self, state_dict):
         return {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
 
 

@@ -239,8 +239,24 @@ def test_float8_all_gather_weight_trains_without_fsdp_and_keeps_frozen(engine):
     out.sum().backward()
     assert sqnr_db(out, ref(x)) >= 20
     assert model[0].weight.grad is not None and model[2].weight.grad is None
-    engine.after_optimizer_step(model)  # not sharded: nothing to precompute, and no error
+    engine.end_step([model])  # not sharded: nothing to precompute, and no error
     assert model[0].weight._precomputed_scale is None
+
+
+def test_a_hand_written_loop_ends_each_step_for_the_models_its_optimizer_trains(engine, monkeypatch):
+    """fp8plug.steps' one global optimizer hook ends the step for the models an optimizer steps,
+    without an Accelerator: once per step, and not for a converted model it does not train."""
+    calls = []
+    monkeypatch.setattr(engine, "end_step", lambda models, group=None: calls.append(models))
+    model, other = two_layers(), two_layers()
+    engine.convert(model, recipe())
+    engine.convert(other, recipe())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(32, 64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert calls == [[model], [model]]
 
 
 def test_emulation_on_a_machine_without_a_gpu(monkeypatch):
@@ -352,7 +368,7 @@ def test_accelerator_converts_and_runs_the_after_step_work(monkeypatch):
     engine = accelerator.fp8_engine
     assert engine.name == "ao"
     calls = []
-    monkeypatch.setattr(engine, "after_optimizer_step", lambda model: calls.append(model))
+    monkeypatch.setattr(engine, "end_step", lambda models, group=None: calls.append(models))
     model = two_layers()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -167,11 +167,11 @@ def test_convert_model_passes_the_linear_and_norm_choice_to_the_engine(monkeypat
     report = fp8plug.convert_model(model, _convert_ln=False, backend="native")
     assert report.converted == ["0"] and isinstance(model[0], NativeFP8Linear)
 
-    from fp8plug.backends.te import TEBackend
+    from fp8plug.backends.te import TEEngine
 
     calls = []
-    monkeypatch.setattr(TEBackend, "convert", lambda self, model, recipe, convert_linear=True, convert_norm=True:
+    monkeypatch.setattr(TEEngine, "convert", lambda self, model, recipe, convert_linear=True, convert_norm=True:
                         calls.append((convert_linear, convert_norm)))
-    TEBackend().convert_layers(model, native(), linear=True, norm=False)
-    TEBackend().convert_layers(model, native(), linear=False, norm=True)
+    TEEngine().convert_layers(model, native(), linear=True, norm=False)
+    TEEngine().convert_layers(model, native(), linear=False, norm=True)
     assert calls == [(True, False), (False, True)]

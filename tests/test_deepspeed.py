@@ -61,11 +61,11 @@ def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exact
 
 
 def test_msamp_is_refused_under_deepspeed_with_the_reason():
-    from fp8plug.backends.msamp import MSAMPBackend
+    from fp8plug.backends.msamp import MSAMPEngine
     from fp8plug.deepspeed import check_engine
 
     plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 2}})
-    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), fp8_engine=MSAMPBackend())
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), fp8_engine=MSAMPEngine())
     with pytest.raises(ValueError, match=r"MS-AMP engine cannot run under DeepSpeed ZeRO stage 2: .*msamp\.deepspeed"):
         check_engine(accelerator)
 

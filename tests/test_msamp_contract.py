@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fp8plug.backends import judge
-from fp8plug.backends.msamp import MSAMPBackend, is_scaling_tensor
+from fp8plug.backends.msamp import MSAMPEngine, is_scaling_tensor
 from fp8plug.hardware import DeviceInfo
 from fp8plug.recipe import FP8RecipeKwargs
 
@@ -50,7 +50,7 @@ def msamp(monkeypatch):
 
 @pytest.fixture
 def engine():
-    return MSAMPBackend()
+    return MSAMPEngine()
 
 
 class Net(nn.Module):
@@ -325,7 +325,7 @@ def test_accelerator_prepare_drives_msamp(msamp, monkeypatch):
     import fp8plug
 
     # (tests/conftest.py clears ACCELERATE_* and accelerate's process state around every test)
-    monkeypatch.setattr(MSAMPBackend, "supports", lambda self, device: (True, ""))
+    monkeypatch.setattr(MSAMPEngine, "supports", lambda self, device: (True, ""))
     accelerator = fp8plug.Accelerator(
         cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp")]
     )
@@ -354,6 +354,6 @@ def test_accelerator_refuses_what_msamp_cannot_do_before_prepare(msamp, monkeypa
     import fp8plug
 
     # (tests/conftest.py clears ACCELERATE_* and accelerate's process state around every test)
-    monkeypatch.setattr(MSAMPBackend, "supports", lambda self, device: (True, ""))
+    monkeypatch.setattr(MSAMPEngine, "supports", lambda self, device: (True, ""))
     with pytest.raises(ValueError, match=match):
         fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[_recipe(backend="msamp", **fields)])

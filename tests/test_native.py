@@ -15,8 +15,8 @@ from fp8plug.backends.native import (
     FP8_MAX,
     NativeFP8Linear,
     native_fp8_autocast,
-    sync_fp8_scaling,
 )
+from fp8plug import sync_fp8_scaling
 from tests._numerics import sqnr_db
 
 OPTIONS = dict(scaling="delayed", fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,
@@ -261,3 +261,16 @@ def test_cpu_tensors_never_take_the_triton_cast():
     ready = _fused_cast.load()
     assert ready == (torch.cuda.is_available() and _fused_cast._can_build())
     assert not _fused_cast.usable(torch.zeros(16, 16))
+
+
+def test_a_layer_added_to_a_converted_model_is_updated_once_per_step():
+    """A directly built layer and the converted model holding it are trained by one optimizer:
+    the end of the step updates each delayed layer once (one history entry per step)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    fp8plug.convert_model(model, backend="native")
+    model.append(make(in_f=64, out_f=32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(2):
+        model(torch.randn(16, 64)).sum().backward()
+        optimizer.step()
+    assert model[0].fp8_step.tolist() == [2, 2, 2] and model[2].fp8_step.tolist() == [2, 2, 2]

@@ -19,7 +19,7 @@ from fp8plug.backends import _te_import as te_import
 from fp8plug.backends import _te_layers as te_layers
 from fp8plug.backends import _te_recipes as te_recipes
 from fp8plug.backends import te as te_engine
-from fp8plug.backends.base import Backend
+from fp8plug.backends.base import Engine
 from fp8plug.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
@@ -74,7 +74,7 @@ def _stand_in_te(tmp_path, monkeypatch, init_body: str):
 
 def test_absent_te_is_not_installed(no_te):
     no_te.setitem(sys.modules, "transformer_engine", None)  # an import of it now fails as "not found"
-    probe = te_engine.TEBackend().probe()
+    probe = te_engine.TEEngine().probe()
     assert not probe.available and probe.reason == "not installed"
 
 
@@ -82,7 +82,7 @@ def test_absent_te_is_not_installed(no_te):
                                    "RuntimeError('Found no NVIDIA driver on your system')"])
 def test_installed_but_broken_te_is_unavailable_with_its_reason(tmp_path, no_te, error):
     _stand_in_te(tmp_path, no_te, f"raise {error}\n")
-    probe = te_engine.TEBackend().probe()
+    probe = te_engine.TEEngine().probe()
     kind = error.split("(")[0]
     assert not probe.available
     assert "installed but not importable" in probe.reason and kind in probe.reason
@@ -108,7 +108,7 @@ def test_te_importable_but_cpu_device_is_refused(tmp_path, no_te):
     _stand_in_te(tmp_path, no_te, "__version__ = '2.20.2'\n")
     with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU with compute capability 8.9"):
         select_backend("te", device="cpu")
-    engine = te_engine.TEBackend()
+    engine = te_engine.TEEngine()
     assert engine.probe().version == "2.20.2"
     assert engine.supports(H100) == (True, "")
     ok, why = engine.supports(A100)
@@ -117,7 +117,7 @@ def test_te_importable_but_cpu_device_is_refused(tmp_path, no_te):
 
 def test_engine_calls_without_te_raise_the_install_hint(no_te):
     no_te.setitem(sys.modules, "transformer_engine", None)
-    engine = te_engine.TEBackend()
+    engine = te_engine.TEEngine()
     with pytest.raises(BackendUnavailableError, match="pip install"):
         engine.convert(nn.Sequential(nn.Linear(16, 16)), FP8RecipeKwargs(backend="te"))
     with pytest.raises(BackendUnavailableError, match="pip install"):
@@ -125,7 +125,7 @@ def test_engine_calls_without_te_raise_the_install_hint(no_te):
 
 
 def test_without_te_imported_nothing_is_converted_and_nothing_imported(no_te):
-    engine = te_engine.TEBackend()
+    engine = te_engine.TEEngine()
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
     assert not any(engine.is_converted(m) for m in model.modules())
     assert engine.unconvert(model) is model
@@ -211,7 +211,7 @@ def test_recipe_class_missing_from_old_te_is_a_clear_error():
 
 def test_unknown_scaling_names_the_te_choices():
     with pytest.raises(ValueError, match="delayed, current, block, mxfp8, nvfp4"):
-        te_engine.TEBackend().scaling_name(FP8RecipeKwargs(backend="te", scaling="tensorwise"))
+        te_engine.TEEngine().scaling_name(FP8RecipeKwargs(backend="te", scaling="tensorwise"))
 
 
 @pytest.mark.parametrize("scaling, capability, cuda, needle", [
@@ -321,7 +321,7 @@ def test_plain_state_dict_drops_only_te_extra_state():
           "b._extra_state": torch.tensor([1, 2], dtype=torch.uint8), "c._extra_state": {"mine": 1},
           "d._extra_state": torch.ones(2), "e._extra_state": torch.empty(0),
           "my_extra_state": torch.empty(0, dtype=torch.uint8)}
-    out = te_engine.TEBackend().plain_state_dict(sd)
+    out = te_engine.TEEngine().plain_state_dict(sd)
     assert list(out) == ["a.weight", "c._extra_state", "d._extra_state", "my_extra_state"]
 
 
@@ -329,7 +329,7 @@ def test_checkpoint_helpers_see_te_entries_as_the_engines():
     from fp8plug.checkpoint import engine_keys
 
     keys = ["a.weight", "a._extra_state", "b.bias"]
-    assert engine_keys(keys, te_engine.TEBackend()) == {"a._extra_state"}
+    assert engine_keys(keys, te_engine.TEEngine()) == {"a._extra_state"}
 
 
 class _WithExtraState(nn.Module):
@@ -357,11 +357,11 @@ def test_plain_checkpoint_loads_strictly_once_extra_state_is_supplied():
     model.load_state_dict(plain, strict=True)
     assert torch.equal(model[0].weight, plain["0.weight"]) and model[0].loaded.numel() == 0
     assert list(plain) == ["0.weight"]  # the caller's dict is not modified
-    assert list(te_layers.plain_state_dict(model.state_dict())) == ["0.weight"]
+    assert list(te_layers.drop_extra_state(model.state_dict())) == ["0.weight"]
 
 
 def test_base_engine_has_no_fp8_state_by_default():
-    engine = Backend()
+    engine = Engine()
     assert engine.fp8_state(nn.Linear(2, 2)) == {}
     assert engine.load_fp8_state(nn.Linear(2, 2), {}) is None
     with engine.microbatch(True):
@@ -369,7 +369,7 @@ def test_base_engine_has_no_fp8_state_by_default():
 
 
 def test_microbatch_flag_is_scoped():
-    engine = te_engine.TEBackend()
+    engine = te_engine.TEEngine()
     assert te_layers._Microbatch.is_first is None
     with engine.microbatch(True):
         assert te_layers._Microbatch.is_first is True
@@ -394,7 +394,7 @@ def test_native_fp8_state_round_trip_resumes_exactly():
     x = torch.randn(16, 32)
     for _ in range(3):
         a(x * 3).sum().backward()
-        native.sync_scaling([a])
+        native.end_step([a])
     state = native.fp8_state(a)
     assert set(state) == {"0", "2"} and int(state["0"]["fp8_step"][0]) == 3
     b.load_state_dict(a.state_dict(), strict=True)

@@ -14,23 +14,23 @@ from typing import Dict, Optional
 
 from ..hardware import DeviceInfo, device_info
 from ..recipe import BACKENDS, normalize_backend
-from .base import MEASURED_ON, Backend, BackendUnavailableError, Probe, Speed
+from .base import MEASURED_ON, Engine, BackendUnavailableError, Probe, Speed
 
 # The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
 _MODULES = {
-    "msamp": "fp8plug.backends.msamp:MSAMPBackend",
-    "te": "fp8plug.backends.te:TEBackend",
-    "ao": "fp8plug.backends.ao:AOBackend",
-    "native": "fp8plug.backends.native:NativeBackend",
+    "msamp": "fp8plug.backends.msamp:MSAMPEngine",
+    "te": "fp8plug.backends.te:TEEngine",
+    "ao": "fp8plug.backends.ao:AOEngine",
+    "native": "fp8plug.backends.native:NativeEngine",
 }
-_INSTANCES: Dict[str, Backend] = {}
+_INSTANCES: Dict[str, Engine] = {}
 _A = {"compiled": "a compiled", "eager": "an eager"}
-# bf16 eager's speed against bf16 compiled in the run behind Backend.measured: an FP8 engine below
+# bf16 eager's speed against bf16 compiled in the run behind Engine.measured: an FP8 engine below
 # it is slower than not using FP8 at all when the model runs eagerly
 BF16_EAGER_SPEEDUP = 0.84
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str) -> Engine:
     """The engine object for a backend name (any spelling `FP8RecipeKwargs.backend` accepts)."""
     canonical = normalize_backend(name)
     if canonical is None:
@@ -38,7 +38,7 @@ def get_backend(name: str) -> Backend:
     return _engine(canonical)
 
 
-def _engine(canonical: str) -> Backend:
+def _engine(canonical: str) -> Engine:
     """The engine object for a canonical name (one of BACKENDS), imported on first use."""
     if canonical not in _INSTANCES:
         module_name, class_name = _MODULES[canonical].split(":")
@@ -63,7 +63,7 @@ class Verdict:
 class Selection:
     """The chosen engine and the reasoning for every engine considered."""
 
-    backend: Optional[Backend]
+    backend: Optional[Engine]
     device: DeviceInfo
     requested: Optional[str]
     verdicts: Dict[str, Verdict] = field(default_factory=dict)
@@ -125,26 +125,26 @@ class Selection:
 
 def judge(name: str, device: DeviceInfo) -> Verdict:
     """Probe one engine (by canonical name) and check it against the device."""
-    backend = _engine(name)
-    probe = backend.probe()
-    if device.type == "cpu" and not backend.runs_on_cpu:  # a GPU-only engine: installing would not help
-        ok, why = backend.supports(device)
+    engine = _engine(name)
+    probe = engine.probe()
+    if device.type == "cpu" and not engine.runs_on_cpu:  # a GPU-only engine: installing would not help
+        ok, why = engine.supports(device)
         if not ok:
-            return Verdict(name, backend.title, probe, False, why)
+            return Verdict(name, engine.title, probe, False, why)
     if not probe.available:
-        return Verdict(name, backend.title, probe, False, f"{probe.reason} (install: {backend.install_hint})",
+        return Verdict(name, engine.title, probe, False, f"{probe.reason} (install: {engine.install_hint})",
                        install=True)
-    ok, why = backend.supports(device)
+    ok, why = engine.supports(device)
     if not ok:
-        return Verdict(name, backend.title, probe, False, why)
+        return Verdict(name, engine.title, probe, False, why)
     where = "FP8 GEMMs on this GPU" if device.type == "cuda" else "on the CPU"
-    return Verdict(name, backend.title, probe, True, f"available, {where}")
+    return Verdict(name, engine.title, probe, True, f"available, {where}")
 
 
 def not_checked(name: str, why: str) -> Verdict:
     """The verdict for an engine left unprobed (unimported), and `why`."""
-    backend = _engine(name)
-    return Verdict(name, backend.title, Probe(False, reason="not checked"), False, f"not checked: {why}",
+    engine = _engine(name)
+    return Verdict(name, engine.title, Probe(False, reason="not checked"), False, f"not checked: {why}",
                    checked=False)
 
 
@@ -157,7 +157,7 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     """Choose the engine: the requested one if it can run (else an error saying why and how to
     install it), or automatically among the usable ones. Automatically, where it is known how the
     model will run (`compiled` True or False) and the device has FP8 GEMMs, the engine measured
-    fastest in that mode wins (Backend.measured: under torch.compile the native engine with dynamic
+    fastest in that mode wins (Engine.measured: under torch.compile the native engine with dynamic
     scaling, eager TransformerEngine); otherwise, and between engines within 1% or unmeasured, the
     first usable one in the order msamp, te, ao, native. `Selection.tune` then gives the recipe the
     settings that figure was measured with.
@@ -227,4 +227,4 @@ def _fastest_first(names, mode: str):
     return sorted(names, key=rank)
 
 
-__all__ = ["Backend", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend"]
+__all__ = ["Engine", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend"]

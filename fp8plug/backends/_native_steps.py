@@ -1,7 +1,7 @@
 """The native engine's end of step: delayed scaling's once-per-step update of every converted model
-(after each optimizer step, through a global torch optimizer hook) and the guard that forgets what
-a skipped step recorded. Split from native.py, which imports it; the layers themselves
-(NativeFP8Linear) are recognised by the scaling state they carry."""
+(NativeEngine.end_step, which fp8plug.steps calls after each optimizer step) and the guard that
+forgets what a skipped step recorded. Split from native.py, which imports it; the layers
+themselves (NativeFP8Linear) are recognised by the scaling state they carry."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from ..steps import track
 from ..scaling import (
     NOT_RECORDED,
     DelayedSettings,
@@ -29,10 +30,11 @@ def _is_delayed_layer(module: nn.Module) -> bool:
 
     return isinstance(module, NativeFP8Linear) and module.delayed
 
-# Converted models, in the order they were converted (a WeakKeyDictionary keeps insertion order),
-# so every rank walks its layers in the same order and the one all-reduce lines them up.
+# Converted models (and directly built layers), in the order they were converted (a
+# WeakKeyDictionary keeps insertion order), so every rank walks its layers in the same order and
+# the one all-reduce lines them up; each with its skipped-step guard.
 _TRACKED: "weakref.WeakKeyDictionary[nn.Module, _SkippedStepGuard]" = weakref.WeakKeyDictionary()
-_HOOK = []  # the handle of the optimizer step hook, once installed
+_ENGINE = []  # the engine that directly built layers are tracked under, made on first use
 
 
 class _SkippedStepGuard:
@@ -61,10 +63,10 @@ class _SkippedStepGuard:
                 forget_bad_step([m.fp8_amax_recorded for m in self.layers])
 
 
-def track_for_sync(model: nn.Module) -> None:
-    """Update `model`'s delayed scaling after every step of an optimizer that trains it (through
-    a global torch optimizer step hook), whatever runs the loop: fp8plug.Accelerator, a Trainer,
-    a hand-written loop, a hand-built DDP; and forget what a skipped step recorded at its next
+def track_for_sync(model: nn.Module, engine=None) -> None:
+    """Update `model`'s delayed scaling after every step of an optimizer that trains it, whatever
+    runs the loop (fp8plug.steps.track, under `engine`: the one that converted it, or for a
+    directly built layer the native engine), and forget what a skipped step recorded at its next
     training forward (_SkippedStepGuard)."""
     guard = _TRACKED.get(model)
     if guard is None:
@@ -76,19 +78,13 @@ def track_for_sync(model: nn.Module) -> None:
         if inner is not None and getattr(inner, "handle", None) is not None:
             inner.handle.remove()
             inner.handle = None
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+    if engine is None:
+        if not _ENGINE:
+            from .native import NativeEngine
 
-        _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
-
-
-def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
-    """Sync the converted models (and directly built layers) that `optimizer` trains: any of their
-    parameters in it, so a model with frozen FP8 layers and trainable adapters counts."""
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    models = [m for m in list(_TRACKED) if any(id(p) in stepped for p in m.parameters())]
-    if models:
-        sync_fp8_scaling(*models)
+            _ENGINE.append(NativeEngine())
+        engine = _ENGINE[0]
+    track(model, engine)
 
 
 def _delayed_layers(models) -> List[nn.Module]:
@@ -101,15 +97,12 @@ def _delayed_layers(models) -> List[nn.Module]:
     return list(seen.values())
 
 
-def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
+def sync_delayed_scaling(models, group=None) -> None:
     """End a step of delayed scaling for `models` (default: every converted model): reduce the
     recorded amaxes (max) across the ranks of `group` (default: all ranks) in one collective for
-    all layers, push them into the histories and recompute the scales.
-
-    fp8plug runs this after every optimizer step; call it yourself only for a loop without a
-    torch optimizer. Every rank must call it the same number of times, as with any collective.
-    """
-    layers = _delayed_layers(models or list(_TRACKED))
+    all layers, push them into the histories and recompute the scales. NativeEngine.end_step;
+    every rank must run it the same number of times, as with any collective."""
+    layers = _delayed_layers(list(models) or list(_TRACKED))
     if not layers:
         return
     with torch.no_grad():

@@ -157,13 +157,9 @@ def _is_te_extra_state(key: str, value) -> bool:
     return isinstance(value, io.BytesIO)
 
 
-def plain_state_dict(state_dict: Mapping[str, Any]) -> "OrderedDict[str, Any]":
-    """`state_dict` without TE's `_extra_state` entries: the plain architecture's keys."""
-    out = OrderedDict((k, v) for k, v in state_dict.items() if not _is_te_extra_state(k, v))
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata
-    return out
+def drop_extra_state(state_dict: Mapping[str, Any]) -> "OrderedDict[str, Any]":
+    """`state_dict` without TE's `_extra_state` entries (TEEngine.plain_entries)."""
+    return OrderedDict((k, v) for k, v in state_dict.items() if not _is_te_extra_state(k, v))
 
 
 def supply_extra_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

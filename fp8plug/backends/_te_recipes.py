@@ -214,7 +214,7 @@ class IntervalScaling:
 
 
 @dataclass
-class NativeTERecipe:
+class GivenTERecipe:
     """A TransformerEngine recipe object passed as is (e.g. to contextual_fp8_autocast)."""
 
     te_recipe: Any

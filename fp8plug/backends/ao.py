@@ -40,8 +40,9 @@ from ..convert import (
     module_paths, record_converted, replace_module,
 )
 from ..recipe import DEFAULTS
+from ..steps import track
 from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
-from .base import Backend, Probe, Speed, probe_import
+from .base import Engine, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -123,7 +124,7 @@ def __getattr__(name):
 # --- the engine ------------------------------------------------------------------------------------
 
 
-class AOBackend(Backend):
+class AOEngine(Engine):
     """torchao float8 training (see the module doc)."""
 
     name = "ao"
@@ -131,6 +132,7 @@ class AOBackend(Backend):
     install_hint = "pip install torchao"
     runs_on_cpu = True
     scalings = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    counts_gemms = True
     measured = {"compiled": Speed(1.29), "eager": Speed(0.44)}
 
     def probe(self) -> Probe:
@@ -245,6 +247,7 @@ class AOBackend(Backend):
             module.__class__ = cls  # same state, fp8plug's forward (see AOFloat8Linear)
             replace_module(model, fqn, module, paths)  # its other names point at it too
             record_converted(model, fqn, module, module, report)
+        track(model, self)  # float8 all-gather scales are due after every optimizer step (end_step)
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -273,13 +276,17 @@ class AOBackend(Backend):
         block; the shared region flag (backends.region), so it also governs native layers."""
         return fp8_region(enabled)
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    def end_step(self, models, group=None) -> None:
         """Under FSDP2 with float8 all-gather, compute every float8 weight's scale for the next
-        all-gather in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
-        if any(_gathers_in_float8(m) for m in model.modules()):
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        all-gather in one all-reduce per model (torchao's precompute_float8_dynamic_scale_for_fsdp,
+        over FSDP's own process group, so `group` is not used). Every model this engine
+        converted is tracked (fp8plug.steps), so this runs after each optimizer step that trains
+        it; a model without such weights costs one look at its modules."""
+        for model in models:
+            if any(_gathers_in_float8(m) for m in model.modules()):
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            precompute_float8_dynamic_scale_for_fsdp(model)
+                precompute_float8_dynamic_scale_for_fsdp(model)
 
     def has_storageless_weights(self) -> bool:
         """torchao's float8 all-gather weights (data_ptr() == 0) can exist only once its fsdp_utils
@@ -287,11 +294,11 @@ class AOBackend(Backend):
         return "torchao.float8.fsdp_utils" in sys.modules
 
 
-def plan_fqns(model, backend, alignment_problem, modules_to_ignore, module_filter_fn):
+def plan_fqns(model, engine, alignment_problem, modules_to_ignore, module_filter_fn):
     """The shared conversion rules for torchao's own converters, which take a filter rather than
     modules: (the fully-qualified names to convert, the report of every skipped candidate)."""
     targets, report = plan_conversion(
-        model, backend.name, {nn.Linear: alignment_problem}, backend.is_converted, modules_to_ignore, module_filter_fn,
+        model, engine.name, {nn.Linear: alignment_problem}, engine.is_converted, modules_to_ignore, module_filter_fn,
     )
     planned = [fqn for fqn, _ in targets]
     if "" in planned:
@@ -353,12 +360,12 @@ def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 
-def _convert_mx(backend: AOBackend, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
+def _convert_mx(engine: AOEngine, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
     """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
     (in place), under the shared conversion rules with MXFP8's block alignment."""
     from torchao.quantization import quantize_
 
-    planned, report = plan_fqns(model, backend, mx_alignment_problem, modules_to_ignore, module_filter_fn)
+    planned, report = plan_fqns(model, engine, mx_alignment_problem, modules_to_ignore, module_filter_fn)
     if not planned:
         return report
     wanted = frozenset(planned)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
 
@@ -106,11 +107,11 @@ class Speed:
     scaling: Optional[str] = None
 
 
-# where Backend.measured comes from, for `fp8plug env` and the selection's explanation
+# where Engine.measured comes from, for `fp8plug env` and the selection's explanation
 MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/hf_llama.py (docs/performance.md)"
 
 
-class Backend:
+class Engine:
     """One FP8 engine behind one protocol. Subclasses set the class attributes and override what
     their engine does; the defaults are what an engine that needs nothing there would do."""
 
@@ -123,6 +124,16 @@ class Backend:
     # measured training speed by how the model runs ("compiled", "eager"), for the automatic choice
     # on an FP8 GPU (MEASURED_ON); an engine without a figure ranks after those with one
     measured: ClassVar[Dict[str, Speed]] = {}
+    # What the engine does beyond the defaults, said outright rather than inferred from which
+    # methods a subclass overrides (an override that only refines a default must not change what
+    # the callers do). Each is read where the matching method is called.
+    # `prepare` adapts a (model, optimizer) pair, so the Accelerator must find the one optimizer
+    # holding each model's parameters (MS-AMP's msamp.initialize)
+    adapts_optimizer: ClassVar[bool] = False
+    # `clip_grad_norm_` must replace accelerate's (torch's cannot read the engine's gradients)
+    clips_gradients: ClassVar[bool] = False
+    # `runs_fp8` says per call whether a converted Linear runs FP8, so coverage counts GEMMs
+    counts_gemms: ClassVar[bool] = False
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -166,7 +177,7 @@ class Backend:
         of the engine's (scaling_name)."""
         self.scaling_name(recipe)
 
-    def native_recipe(self, recipe_object: Any) -> Any:
+    def engine_recipe(self, recipe_object: Any) -> Any:
         """Accept the engine's own recipe object (e.g. a TransformerEngine DelayedScaling) where an
         FP8RecipeKwargs is expected, returning what `autocast` takes. Default: refused."""
         raise TypeError(
@@ -227,21 +238,27 @@ class Backend:
     def runs_fp8(self, module: nn.Module, input) -> Optional[bool]:
         """Whether this call of the converted Linear `module` on `input` runs its GEMMs in FP8,
         decided exactly as its forward decides (fp8plug.coverage counts calls with it; it runs
-        inside compiled graphs, so it must be plain, traceable code). An engine that does not
-        override it gets no GEMM counts."""
+        inside compiled graphs, so it must be plain, traceable code). Read only where
+        `counts_gemms` is True."""
         return None
 
     def prepare(self, model: nn.Module, optimizer, recipe: "FP8RecipeKwargs"):
-        """Adapt a (model, optimizer) pair after conversion; most engines need nothing."""
+        """Adapt a (model, optimizer) pair after conversion; most engines need nothing. Called by the
+        Accelerator only where `adapts_optimizer` is True."""
         return model, optimizer
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
-        """Work due once the optimizer has stepped (e.g. precomputing FSDP float8 scales)."""
+    def end_step(self, models, group=None) -> None:
+        """Work due once per applied optimizer step, after the update, for `models` (every model
+        this engine converted when the list is empty), with collectives over the ranks of `group`
+        (all ranks when None): native's delayed scaling update, torchao's FSDP2 float8 all-gather
+        scales. Reached only through fp8plug.steps.end_step, once per step whatever runs the
+        loop; an engine with such work tracks the models it converts (fp8plug.steps.track).
+        Default: nothing."""
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
         """Clip gradients where torch's clip_grad_norm_ cannot read this engine's gradients (MS-AMP's
-        ScalingTensor). fp8plug.Accelerator calls it only when an engine overrides it; the default
-        is torch's."""
+        ScalingTensor). fp8plug.Accelerator calls it instead of accelerate's only where
+        `clips_gradients` is True; the default is torch's."""
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def has_storageless_weights(self) -> bool:
@@ -256,14 +273,27 @@ class Backend:
         (fp8plug.deepspeed turns the reason into the error)."""
         return None
 
-    def sync_scaling(self, models, group=None) -> None:
-        """End a step of delayed scaling for `models` (every model this engine converted when
-        empty): reduce amaxes across the ranks of `group` and update the scales. Engines whose
-        scaling has no state across steps, or that do this themselves, need nothing here."""
-
     # checkpoints --------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The state dict with the engine's own entries removed: the plain architecture's keys."""
+    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+        """`state_dict` without this engine's own entries: only the plain architecture's keys remain
+        (the engine's part is `plain_entries`; engines do not override this one).
+
+        The result is an OrderedDict in the input's key order, with its `_metadata`, as
+        `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before
+        a safetensors save only from an OrderedDict (a plain dict reaches safetensors with both
+        names of a tied weight, and it refuses to write: "Some tensors share memory")."""
+        kept = self.plain_entries(OrderedDict(state_dict))
+        out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
+        out.update((key, value) for key, value in kept.items() if key not in out)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata
+        return out
+
+    def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The engine's part of `plain_state_dict`: `state_dict` with its own entries dropped and
+        its own value types made plain (in any order; fp8plug.checkpoint also asks it which keys
+        are the engine's). Default: unchanged."""
         return state_dict
 
     def microbatch(self, is_first: Optional[bool]):

@@ -45,7 +45,7 @@ from torch import nn
 from ..convert import ConversionReport, check_convertible, linear_alignment_problem, plan_conversion, replace_module
 from ..hardware import DeviceInfo
 from ..recipe import OPT_LEVELS
-from .base import Backend, Probe, probe_import
+from .base import Engine, Probe, probe_import
 
 CANNOT_INSTALL = (
     "MS-AMP as released does not install on current stacks: it is source-only, pins torch 2.1, "
@@ -75,7 +75,7 @@ def to_plain(value):
     return value.float().detach() if is_scaling_tensor(value) else value
 
 
-class MSAMPBackend(Backend):
+class MSAMPEngine(Engine):
     """MS-AMP: FP8 weights, gradients and communication (O1) and FP8/FP16 Adam states (O2)."""
 
     name = "msamp"
@@ -86,6 +86,8 @@ class MSAMPBackend(Backend):
         "https://github.com/Azure/MS-AMP inside a torch 2.1 container (NGC pytorch:23.10)"
     )
     scalings = ("delayed",)  # MS-AMP's own amax windows; not configurable through the recipe
+    adapts_optimizer = True  # msamp.initialize(model, optimizer) converts the pair together
+    clips_gradients = True  # ScalingTensor gradients need msamp.clip_grad_norm_
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -225,7 +227,7 @@ class MSAMPBackend(Backend):
         return msamp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # checkpoints --------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The same keys (MS-AMP adds none), with ScalingTensor weights as ordinary fp32 tensors."""
         return {key: to_plain(value) for key, value in state_dict.items()}
 

@@ -13,6 +13,8 @@ compiles with fullgraph=True.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +39,8 @@ from ..scaling import (
     scale_from_amax,
 )
 from . import _fused_cast as fused_cast
-from ._native_steps import _TRACKED, sync_fp8_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
-from .base import Backend, Probe, Speed
+from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
+from .base import Engine, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
@@ -57,6 +59,20 @@ def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype, use_fast_accum=fast_accum)
 
 
+@dataclass(frozen=True)
+class GemmConfig:
+    """What _FP8Linear needs besides tensors, by name: the GEMMs' output dtype, grad_output's FP8
+    dtype, which GEMMs run in high precision (`override`: fprop, dgrad, wgrad), grad_output's
+    scaling mode ("delayed" or "dynamic") and the margin of its scale. Frozen, so torch.compile
+    treats it as a constant of the graph, as it did the tuple it replaces."""
+
+    out_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    override: Tuple[bool, bool, bool]
+    grad_mode: str
+    margin: int
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden.
 
@@ -70,14 +86,14 @@ class _FP8Linear(torch.autograd.Function):
     check."""
 
     @staticmethod
-    def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config):
-        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = config
+    def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config: GemmConfig):
         x_fp8, x_t, x_scale = x_cast
         w_fp8, w_t, w_scale = w_cast
+        override = config.override
         if override[0]:
-            out = F.linear(x.to(out_dtype), weight.to(out_dtype))
+            out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
         else:
-            out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, out_dtype, True)
+            out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, config.out_dtype, True)
         high = (x, weight) if override[1] or override[2] else ()
         ctx.save_for_backward(x_t, w_t, x_scale, w_scale, grad_scale, *high)
         ctx.grad_record = grad_record
@@ -87,13 +103,14 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        out_dtype, fwd_dtype, bwd_dtype, override, grad_mode, margin = ctx.config
+        config: GemmConfig = ctx.config
+        out_dtype, override = config.out_dtype, config.override
         x_t, w_t, x_scale, w_scale, grad_scale, *high = ctx.saved_tensors
         # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
         # the current amax's
-        delayed = grad_mode == "delayed"
-        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, bwd_dtype, delayed, grad_scale,
-                                             grad_scale > 0 if delayed else None, margin,
+        delayed = config.grad_mode == "delayed"
+        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, config.bwd_dtype, delayed, grad_scale,
+                                             grad_scale > 0 if delayed else None, config.margin,
                                              transposed=ctx.needs_input_grad[1])
         if ctx.grad_record is not None:
             record_amax(ctx.grad_record, g_amax)
@@ -148,8 +165,8 @@ class NativeFP8Linear(nn.Linear):
     in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
 
     Delayed scaling (fp8plug.scaling): during a step the layer records amaxes and casts with the
-    scales set at the end of the previous step; `sync_fp8_scaling` (run after every optimizer
-    step) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
+    scales set at the end of the previous step; the end of every optimizer step
+    (NativeEngine.end_step, through fp8plug.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
     first update it scales from the current amax, so the first step cannot overflow.
     """
 
@@ -281,7 +298,7 @@ class NativeFP8Linear(nn.Linear):
         if grad_mode == "delayed":  # 0 until the slot's first update: backward then uses the current amax
             grad_scale = torch.where(self.fp8_step[GRAD_OUTPUT] > 0, grad_scale, torch.zeros_like(grad_scale))
         out_dtype = self._out_dtype(x)
-        config = (out_dtype, self.fwd_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
+        config = GemmConfig(out_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
         out = _FP8Linear.apply(x2, self.weight, tuple(x_cast), tuple(w_cast), grad_scale, grad_record, config)
         if self.bias is not None:
             out = out + self.bias.to(out_dtype)
@@ -303,7 +320,7 @@ class NativeFP8Linear(nn.Linear):
 # --- the engine --------------------------------------------------------------------------------------
 
 
-class NativeBackend(Backend):
+class NativeEngine(Engine):
     """fp8plug's own engine: always importable, runs on the CPU and on CUDA sm_89+."""
 
     name = "native"
@@ -311,6 +328,7 @@ class NativeBackend(Backend):
     install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
+    counts_gemms = True
     # compiled, dynamic ties delayed (1.316x against 1.310x) and reaches its first step sooner;
     # eager, delayed's one-pass cast (_fused_cast) beats dynamic's torch ops: 0.81x against 0.63x
     # (measured before the end-of-step update stopped waiting for the GPU; not yet re-measured)
@@ -357,7 +375,7 @@ class NativeBackend(Backend):
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted for name in STATE_BUFFERS])
-        track_for_sync(model)
+        track_for_sync(model, self)
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -375,8 +393,9 @@ class NativeBackend(Backend):
     def runs_fp8(self, module: nn.Module, input) -> bool:
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
-    def sync_scaling(self, models, group=None) -> None:
-        sync_fp8_scaling(*models, group=group)
+    def end_step(self, models, group=None) -> None:
+        """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated."""
+        sync_delayed_scaling(models, group=group)
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""

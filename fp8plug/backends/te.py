@@ -21,7 +21,7 @@ What it does, and why:
      own rule, rather than on the model's first argument: what a Linear sees (after reshapes,
      padding, prefixes) is not knowable from the top-level input, and catching TE's ValueError
      would mean re-running a half-done forward.
-  2. Gradient accumulation: inside `TEBackend.microbatch(is_first)` each TELinear gets
+  2. Gradient accumulation: inside `TEEngine.microbatch(is_first)` each TELinear gets
      `is_first_microbatch=is_first` unless the caller passes it. True on the first micro-batch
      after an optimizer step, False on the others: TE then quantizes each weight once per step
      and reuses the FP8 copy. Never leave it False across an optimizer step (stale weights).
@@ -59,14 +59,14 @@ from ..convert import (
 )
 from ._te_import import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from ._te_layers import (
-    accept_plain_state_dict, gemm_alignment, load_plain_state_dict, microbatch, plain_state_dict, te_linear_class,
+    accept_plain_state_dict, drop_extra_state, gemm_alignment, load_plain_state_dict, microbatch, te_linear_class,
     te_module_types,
 )
 from ._te_recipes import (
-    RECIPE_CLASSES, IntervalScaling, NativeTERecipe, TERecipePlan, plan_te_recipe, recipe_kind,
+    RECIPE_CLASSES, GivenTERecipe, IntervalScaling, TERecipePlan, plan_te_recipe, recipe_kind,
     scaling_hardware_problem, warn_once,
 )
-from .base import Backend, Probe, Speed, probe_import
+from .base import Engine, Probe, Speed, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -99,7 +99,7 @@ def _keep_rng(device: torch.device):
         yield
 
 
-class TEBackend(Backend):
+class TEEngine(Engine):
     """NVIDIA TransformerEngine. See the module docstring for behaviour and quirks.
 
     Gradient accumulation: wrap each micro-batch's forward in `engine.microbatch(is_first)`
@@ -111,6 +111,7 @@ class TEBackend(Backend):
     title = "TransformerEngine"
     install_hint = 'pip install --no-build-isolation "transformer_engine[pytorch]"'
     scalings = ("delayed", "current", "block", "mxfp8", "nvfp4")
+    counts_gemms = True
     measured = {"compiled": Speed(1.17), "eager": Speed(1.04)}
 
     def __init__(self):
@@ -176,9 +177,9 @@ class TEBackend(Backend):
             raise ValueError(problem)
 
     def te_recipe(self, recipe=None):
-        """The TE recipe object for an FP8RecipeKwargs (or a NativeTERecipe's own), built once per
+        """The TE recipe object for an FP8RecipeKwargs (or a GivenTERecipe's own), built once per
         distinct setting and device so TE sees the same object every step."""
-        if isinstance(recipe, NativeTERecipe):
+        if isinstance(recipe, GivenTERecipe):
             return recipe.te_recipe
         if recipe is None:
             from ..recipe import FP8RecipeKwargs
@@ -207,7 +208,7 @@ class TEBackend(Backend):
             kwargs["scaling_factor_compute_algo"] = IntervalScaling(plan.interval)
         return getattr(module, plan.class_name)(**kwargs)
 
-    def native_recipe(self, te_recipe) -> NativeTERecipe:
+    def engine_recipe(self, te_recipe) -> GivenTERecipe:
         """Accept a TransformerEngine recipe object as is (contextual_fp8_autocast does this)."""
         base = getattr(importlib.import_module("transformer_engine.common.recipe"), "Recipe", None)
         if base is not None and not isinstance(te_recipe, base):
@@ -215,7 +216,7 @@ class TEBackend(Backend):
                 "fp8_recipe: give an fp8plug.FP8RecipeKwargs or a TransformerEngine recipe "
                 f"(transformer_engine.common.recipe.DelayedScaling, ...), not {type(te_recipe).__name__}."
             )
-        return NativeTERecipe(te_recipe)
+        return GivenTERecipe(te_recipe)
 
     # conversion -------------------------------------------------------------------------------------
     def eligibility(self, scaling: str, convert_linear: bool, convert_norm: bool) -> dict:
@@ -268,7 +269,7 @@ class TEBackend(Backend):
             from ..recipe import FP8RecipeKwargs
 
             recipe = FP8RecipeKwargs(backend="te")
-        if isinstance(recipe, NativeTERecipe):
+        if isinstance(recipe, GivenTERecipe):
             scaling = recipe_kind(recipe.te_recipe)
         else:
             scaling = self.scaling_name(recipe)
@@ -361,8 +362,8 @@ class TEBackend(Backend):
         return microbatch(is_first)
 
     # checkpoints ------------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict):
-        return plain_state_dict(state_dict)
+    def plain_entries(self, state_dict):
+        return drop_extra_state(state_dict)
 
     def load_plain_state_dict(self, model: nn.Module, state_dict, strict: bool = True):
         return load_plain_state_dict(model, state_dict, strict)

@@ -120,6 +120,7 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     if spec.backend is not None:
         from ..backends import get_backend
         from ..recipe import FP8RecipeKwargs
+        from ..steps import end_step
 
         engine = get_backend(spec.backend)
         recipe = FP8RecipeKwargs(backend=spec.backend, scaling=spec.scaling)
@@ -154,7 +155,7 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
         if engine is not None:
             # the end of a training step: delayed scaling's update, which the optimizer step hook
             # runs in training (TransformerEngine runs its own when its autocast exits)
-            engine.sync_scaling([model])
+            end_step([model], [engine])
 
     return step, reset
 

@@ -1,7 +1,7 @@
 """FSDP2 with torchao float8 all-gather on two GPUs (device kind nvidia-h200-x2): the `ao` engine
 converts with enable_fsdp_float8_all_gather, fully_shard shards the float8 weights, and
-after_optimizer_step (hooked on the optimizer as fp8plug.Accelerator does) precomputes the next
-all-gather's scales. Checked against the same float8 model trained unsharded on the whole batch.
+the end of each optimizer step (AOEngine.end_step, run by fp8plug.steps' global optimizer hook
+for every model the engine converted) precomputes the next all-gather's scales. Checked against the same float8 model trained unsharded on the whole batch.
 Skipped unless two sm_89+ GPUs are visible.
 
 Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_ao_fsdp2.py -q -s
@@ -85,7 +85,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        opt.register_step_post_hook(lambda *_: engine.after_optimizer_step(model))
         x = _batch(rank)
         losses = []
         for _ in range(STEPS):
@@ -106,7 +105,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         expected = torch.finfo(torch.float8_e4m3fn).max / amax.double()
         scale = local._precomputed_scale
-        assert scale is not None, "after_optimizer_step did not precompute the float8 scales"
+        assert scale is not None, "the end of the step did not precompute the float8 scales"
         torch.testing.assert_close(scale.double().cpu(), expected.cpu(), rtol=1e-5, atol=0)
 
         rows = weight.to_local().shape[0]

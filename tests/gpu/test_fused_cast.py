@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import fp8plug
 from fp8plug.backends import _fused_cast as fused_cast
 from fp8plug.backends.native import NativeFP8Linear
 from fp8plug.scaling import E4M3, E5M2, FP8_MAX, quantize, scale_from_amax
@@ -94,7 +95,7 @@ def test_delayed_layer_on_the_fused_path_matches_the_torch_path(monkeypatch):
             y.float().pow(2).mean().backward()
             outs.append((y.detach(), x.grad, layer.weight.grad.clone()))
             layer.weight.grad = None
-            native.sync_fp8_scaling(layer)
+            fp8plug.sync_fp8_scaling(layer)
         results.append((outs, layer.fp8_scale.clone(), layer.fp8_amax_history[:4].clone()))
     (fused_outs, fused_scale, fused_hist), (plain_outs, plain_scale, plain_hist) = results
     for a, b in zip(fused_outs, plain_outs):

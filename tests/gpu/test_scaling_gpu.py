@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8plug
-from fp8plug import FP8RecipeKwargs
-from fp8plug.backends.native import NativeFP8Linear, sync_fp8_scaling
+from fp8plug import FP8RecipeKwargs, sync_fp8_scaling
+from fp8plug.backends.native import NativeFP8Linear
 from tests._numerics import sqnr_db
 from tests.test_scaling_faults import free_port, rel_error
 
