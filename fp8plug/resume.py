@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from accelerate.utils import DistributedType
@@ -31,14 +31,11 @@ from . import checkpoint_dir
 from .checkpoint_dir import FP8_STATE_NAME, read_fp8_state
 from .coverage import logger
 
-if TYPE_CHECKING:
-    from .accelerator import Accelerator
-
 FP8_STATE_CHOICES = ("saved", "fresh")
 _SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
-def save_state(accelerator: "Accelerator", accelerate_save, output_dir, safe_serialization: bool, **kwargs):
+def save_state(accelerator, accelerate_save, output_dir, safe_serialization: bool, **kwargs):
     """accelerate's save_state (`accelerate_save`), written whole or not at all (module doc)."""
     config = accelerator.project_configuration
     automatic = config.automatic_checkpoint_naming
@@ -86,7 +83,7 @@ def save_state(accelerator: "Accelerator", accelerate_save, output_dir, safe_ser
     return Path(final)
 
 
-def load_state(accelerator: "Accelerator", accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):
+def load_state(accelerator, accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):
     """accelerate's load_state (`accelerate_load`), after every check that can be made first (module doc).
 
     `fp8_state="fresh"` loads everything but the FP8 scaling state, which stays as this run's
