@@ -15,7 +15,9 @@ import os
 from typing import Optional
 
 import torch
+from accelerate.state import PartialState
 
+from ._upstream import process_state_exists
 from .gemm_counts import COUNTS, fp8_coverage  # noqa: F401  (fp8plug.coverage.fp8_coverage is public)
 
 logger = logging.getLogger("fp8plug")
@@ -27,13 +29,8 @@ logger = logging.getLogger("fp8plug")
 def is_main_process() -> bool:
     """Whether this process logs: accelerate's main process where its state exists, else rank 0
     of torch.distributed, else the RANK variable a launcher set (0 without one)."""
-    try:
-        from accelerate.state import PartialState
-
-        if PartialState._shared_state:  # never build it here: that would start distributed
-            return bool(PartialState().is_main_process)
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        pass
+    if process_state_exists():  # never build it here: that would start distributed
+        return bool(PartialState().is_main_process)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
     return os.environ.get("RANK", "0").strip() in ("", "0")

@@ -34,7 +34,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 from torch import nn
 
@@ -125,7 +125,7 @@ def hook_engine_steps(accelerator, prepared: Iterable[object]) -> None:
     DeepSpeed engine in `prepared` whose module fp8plug converted."""
     for obj in prepared:
         module = getattr(obj, "module", None)
-        if not _is_deepspeed_engine(obj) or not any(module is m for m in accelerator._fp8_models):
+        if not _is_deepspeed_engine(obj) or not any(module is m for m in accelerator.fp8_models):
             continue
         if getattr(obj, _STEP_HOOKED, False):
             continue
