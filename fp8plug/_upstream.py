@@ -8,7 +8,7 @@ attribute swapped); fp8plug's own modules reach one another through public names
 (`fp8plug.Accelerator.fp8_models`, say).
 
 Versions checked: accelerate 1.8.0 (the oldest setup.cfg allows, run by .ci/run) and 1.15.0;
-transformers 4.57.6 (the oldest setup.cfg allows, run by .ci/run), 5.17.0 (the GPU machine) and
+transformers 5.10.1 (the oldest setup.cfg allows, run by .ci/run), 5.17.0 (the GPU machine) and
 5.23.0. transformers is imported only inside the functions that need it, so `import fp8plug`
 stays free of it.
 """
@@ -23,8 +23,9 @@ import torch
 
 # --- accelerate: what `Accelerator.fp8_backend` is compared with ----------------------------------
 # accelerate's FP8 branches (_prepare_te, _prepare_ao, _prepare_msamp, TE autowrap) run when
-# `self.fp8_backend == FP8BackendType.<X>`; FP8BackendType lives in accelerate.utils.dataclasses
-# and is not exported from accelerate.utils. Checked: 1.8.0, 1.15.0 (members NO, TE, AO, MSAMP).
+# `self.fp8_backend == FP8BackendType.<X>` (1.15.0) or `== "<X>"` (1.8.0); FP8BackendType, a str
+# enum whose values are those upper-case names, lives in accelerate.utils.dataclasses and is not
+# exported from accelerate.utils. Checked: 1.8.0, 1.15.0 (members NO, TE, AO, MSAMP).
 try:
     from accelerate.utils.dataclasses import FP8BackendType
 
@@ -197,7 +198,7 @@ def trainer_builds_accelerator_with(factory):
     name transformers.trainer imported at module level, and doing a good deal of setup around
     that call (gradient accumulation, dataloader and FSDP settings, DeepSpeed, checks) that should
     stay Trainer's own; this swaps only the one call and puts the name back whatever happens.
-    Checked: 4.57.6, 5.17.0, 5.23.0."""
+    Checked: 5.10.1, 5.17.0, 5.23.0."""
     import transformers
     import transformers.trainer as trainer_module
 
@@ -219,7 +220,7 @@ class TrainerInternals:
     before the Trainer class among the bases. The subclass provides `fp8_before_training_wrap()`,
     `fp8_save_checkpoint(output_dir)` and `fp8_load_checkpoint(checkpoint, load_rest)`.
 
-    Relies on (checked: 4.57.6, 5.17.0, 5.23.0):
+    Relies on (checked: 5.10.1, 5.17.0, 5.23.0):
     - `_wrap_model(model, training=True, dataloader=None)`: called by the training loop with
       training=True before it prepares the model, and by evaluation with training=False;
     - `_save_optimizer_and_scheduler(output_dir)`: writes a checkpoint's optimizer and scheduler
