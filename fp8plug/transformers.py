@@ -110,9 +110,9 @@ class FP8TrainerMixin(TrainerInternals):
 
     def fp8_load_checkpoint(self, checkpoint: Optional[str], load_rest) -> None:
         """Trainer's optimizer and scheduler (`load_rest()`), plus the FP8 scaling state (the
-        model is converted by now: Trainer loads these after `prepare`). The FP8 state is read (without pickle) and
-        checked against this run's recipe before the optimizer is touched, so a refusal leaves
-        the optimizer and scheduler as they were."""
+        model is converted by now: Trainer loads these after `prepare`). The FP8 state is read
+        (without pickle) and checked against this run's recipe before the optimizer is touched,
+        so a refusal leaves the optimizer and scheduler as they were."""
         state = self.accelerator.fp8_checkpoint_state
         saved = None
         if checkpoint is not None and state is not None:
