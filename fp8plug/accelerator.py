@@ -39,6 +39,8 @@ from .coverage import fp8_coverage, is_main_process, logger
 from .cpu_processes import join_cpu_processes
 from . import deepspeed as ds
 from . import resume
+from ._upstream import FP8EngineName, AcceleratorInternals, is_prepared, prepared_models, prepared_optimizers
+from ._upstream import restore_forward, shared_precision, storage_view  # noqa: F401  (storage_view: public here)
 from .optim import convert_optimizer
 from .recipe import FP8RecipeKwargs
 
@@ -48,12 +50,6 @@ _ACCELERATE_FP8_HANDLERS = tuple(
     for name in ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs")
     if hasattr(accelerate.utils, name)
 )
-try:  # what accelerate's `fp8_backend` says when it has no FP8 work to do (None before 1.3)
-    from accelerate.utils.dataclasses import FP8BackendType
-
-    _NO_FP8, _AO_FP8 = FP8BackendType.NO, FP8BackendType.AO
-except (ImportError, AttributeError):  # pragma: no cover - older accelerate
-    _NO_FP8, _AO_FP8 = None, "AO"
 _INIT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 
 
@@ -64,7 +60,7 @@ def requested_precision(mixed_precision) -> str:
     return str(getattr(mixed_precision, "value", mixed_precision)).strip().lower()
 
 
-class Accelerator(accelerate.Accelerator):
+class Accelerator(AcceleratorInternals, accelerate.Accelerator):
     """accelerate.Accelerator that also takes `fp8plug.FP8RecipeKwargs` and trains in FP8 with any
     fp8plug engine (native, torchao, TransformerEngine, MS-AMP).
 
@@ -73,7 +69,8 @@ class Accelerator(accelerate.Accelerator):
     `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
 
     Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Engine),
-    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model);
+    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model),
+    `fp8_models` (the converted models);
     `fp8_coverage()` counts what ran in FP8. `fp8_backend` names the engine in use ("native",
     "ao", "te", "msamp": an FP8EngineName, equal to no FP8BackendType member, so accelerate's
     own FP8 code stays off), or FP8BackendType.NO without FP8.
@@ -103,10 +100,9 @@ class Accelerator(accelerate.Accelerator):
             # built first in this process (a Trainer's, say), accelerate's shared state already
             # says "fp8" and refuses any change: keep it, accelerate runs bf16 autocast for "fp8"
             # too, and `fp8_backend` below keeps its own FP8 code off either way.
-            arguments["mixed_precision"] = "fp8" if _shared_precision() == "fp8" else "bf16"
+            arguments["mixed_precision"] = "fp8" if shared_precision() == "fp8" else "bf16"
         join_cpu_processes(arguments, handlers)
         arguments["kwargs_handlers"] = handlers
-        self._fp8_as_ao = False
         with ds.clearer_init_errors(fp8_on):
             super().__init__(**arguments)
         if ds.is_deepspeed(self):
@@ -147,38 +143,18 @@ class Accelerator(accelerate.Accelerator):
             return "fp8"
         return super().mixed_precision
 
+    # fp8_backend, and the private accelerate methods fp8plug overrides: fp8plug._upstream
+
     @property
-    def fp8_backend(self):
-        """The FP8 engine in use, by name ("native", "ao", "te", "msamp"), or FP8BackendType.NO
-        without FP8. The name is an FP8EngineName: a str equal to no FP8BackendType member, so
-        every `self.fp8_backend == FP8BackendType.X` branch of accelerate's (its _prepare_te,
-        _prepare_ao, _prepare_msamp, TE autowrap) stays off: fp8plug does that work. The engine
-        object is `fp8_engine`."""
-        if getattr(self, "_fp8_as_ao", False):
-            return _AO_FP8
-        engine = getattr(self, "fp8_engine", None)
-        return _NO_FP8 if engine is None else FP8EngineName(engine.name)
+    def fp8_models(self) -> List[nn.Module]:
+        """The models this Accelerator converted to FP8, in the order prepare() met them (as
+        converted: the modules inside any DDP/DeepSpeed/compile wrapper)."""
+        return list(self._fp8_models)
 
-    def _get_named_parameters(self, *args, drop_refs=False):
-        # Under FSDP2 accelerate maps old to new parameters by data pointer, and reaches into
-        # torchao's float8 weight wrapper (whose data_ptr() is 0) only when it believes torchao is
-        # the FP8 backend; an engine says whether such weights can exist (has_storageless_weights).
-        self._fp8_as_ao = drop_refs and any(engine.has_storageless_weights() for engine in loaded_engines())
-        try:
-            return super()._get_named_parameters(*args, drop_refs=drop_refs)
-        finally:
-            self._fp8_as_ao = False
-
-    def _prepare_fsdp2(self, *args):
-        # accelerate finds each optimizer parameter's sharded replacement by data pointer. A tensor
-        # subclass wrapping the weight (torchao's float8 all-gather weight) reports 0 there, so the
-        # optimizer is handed the wrapped tensor for that lookup; it shares the weight's storage.
-        if self.fp8_engine is not None:
-            for obj in args:
-                if isinstance(obj, torch.optim.Optimizer):
-                    for group in obj.param_groups:
-                        group["params"] = [storage_view(p) for p in group["params"]]
-        return super()._prepare_fsdp2(*args)
+    def fp8_weights_may_lack_storage(self) -> bool:
+        """Whether a loaded engine may hold weights as tensors without storage of their own
+        (Engine.has_storageless_weights), which accelerate's FSDP2 parameter lookup must unwrap."""
+        return any(engine.has_storageless_weights() for engine in loaded_engines())
 
     # prepare ---------------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -189,7 +165,7 @@ class Accelerator(accelerate.Accelerator):
         placements = device_placement or [None] * len(args)
         new_models = [
             i for i, obj in enumerate(args)
-            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False)
+            if isinstance(obj, nn.Module) and not is_prepared(obj)
         ]
         for i, obj in enumerate(args):
             if isinstance(obj, nn.Module) and i not in new_models and not self._prepared_here(obj):
@@ -205,7 +181,7 @@ class Accelerator(accelerate.Accelerator):
         if deepspeed:
             ds.check_models(self, [args[i] for i in new_models])
         optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
-        optimizers += [getattr(opt, "optimizer", opt) for opt in self._optimizers]
+        optimizers += [getattr(opt, "optimizer", opt) for opt in prepared_optimizers(self)]
         for i in new_models:
             args[i] = self._convert(args[i], optimizers, placements[i])
         for i, obj in enumerate(args):  # opt-in low-precision optimizer states (recipe.optimizer_states)
@@ -224,7 +200,7 @@ class Accelerator(accelerate.Accelerator):
         DDP/compile wrappers): a model another Accelerator prepared is refused by prepare()."""
         inner = accelerate.utils.extract_model_from_parallel(model)
         inner = getattr(inner, "_orig_mod", inner)
-        return any(m is model or m is inner for m in list(self._models) + self._fp8_models)
+        return any(m is model or m is inner for m in list(prepared_models(self)) + self._fp8_models)
 
     def _convert(self, model: nn.Module, optimizers, placement) -> nn.Module:
         """Convert one model (once), keep optimizers on its parameters, wrap its forward."""
@@ -325,9 +301,7 @@ class Accelerator(accelerate.Accelerator):
         unwrapped = super().unwrap_model(model, keep_fp32_wrapper=True, keep_torch_compile=keep_torch_compile)
         inner = getattr(unwrapped, "_orig_mod", unwrapped)
         if any(inner is m for m in self._fp8_models):
-            original = inner.__dict__.pop("_original_forward", None)
-            if original is not None:
-                inner.forward = original
+            restore_forward(inner)
             return unwrapped
         return super().unwrap_model(model, keep_fp32_wrapper=False, keep_torch_compile=keep_torch_compile)
 
@@ -352,29 +326,6 @@ class Accelerator(accelerate.Accelerator):
         return self.fp8_engine.plain_state_dict(state_dict)
 
 
-def _shared_precision() -> Optional[str]:
-    """The mixed precision accelerate's process-wide state was fixed at, if any Accelerator was
-    built before this one."""
-    state = accelerate.state.AcceleratorState
-    if not state._shared_state.get("initialized", False) and "_mixed_precision" not in state._shared_state:
-        return None
-    return str(state._shared_state.get("_mixed_precision", "")).lower() or None
-
-
-class FP8EngineName(str):
-    """`Accelerator.fp8_backend` while fp8plug runs FP8: the engine's name ("native", "ao", "te",
-    "msamp"). Lower-case, so it equals no FP8BackendType member ("NO", "TE", "AO", "MSAMP") and
-    accelerate's own FP8 branches stay off; `.value` gives the name, as an enum member would."""
-
-    @property
-    def value(self) -> str:
-        """The engine's name, as a plain str."""
-        return str(self)
-
-    def __repr__(self) -> str:
-        return f"FP8EngineName({str(self)!r})"
-
-
 def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
     """Remove fp8plug's FP8RecipeKwargs from `handlers` (in place) and return it."""
     ours = [h for h in handlers if isinstance(h, FP8RecipeKwargs)]
@@ -390,19 +341,6 @@ def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
     for handler in ours:
         handlers.remove(handler)
     return ours[0] if ours else None
-
-
-def storage_view(param: torch.Tensor) -> torch.Tensor:
-    """`param`, or the plain tensor inside it when it is a wrapper subclass without storage of its
-    own (data_ptr() == 0) that keeps the real one as `_tensor`, as torchao's float8 weights do."""
-    inner = getattr(param, "_tensor", None)
-    if isinstance(inner, torch.Tensor):
-        try:
-            if param.data_ptr() == 0:
-                return inner
-        except RuntimeError:
-            return inner
-    return param
 
 
 def _on_meta(model: nn.Module) -> bool:

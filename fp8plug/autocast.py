@@ -14,6 +14,8 @@ from typing import Optional
 
 from torch import nn
 
+from .backends import get_backend, select_backend
+from .backends.base import Engine
 from .recipe import FP8RecipeKwargs
 
 _MARK = "_fp8plug_autocast"
@@ -21,9 +23,6 @@ _MARK = "_fp8plug_autocast"
 
 def _resolve(fp8_recipe, backend):
     """(engine, recipe) from an FP8RecipeKwargs and an optional engine (name or object)."""
-    from .backends import get_backend, select_backend
-    from .backends.base import Engine
-
     recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
     if isinstance(backend, Engine):
         return backend, recipe or FP8RecipeKwargs(backend=backend.name)

@@ -15,8 +15,8 @@ A module registered under several names (`m.a = m.b = linear`) is one module: it
 under its first name, and its replacement is put under every name (`module_paths`,
 `replace_module`), so no name keeps running the old module in high precision.
 
-Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.coverage), so what ran in FP8
-can be read back while training.
+Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.gemm_counts), so what ran in
+FP8 can be read back while training; conversion knows nothing of logging or the engine registry.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .coverage import count_gemms, has_gemm_counter
+from .ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
+from .gemm_counts import count_gemms, has_gemm_counter
 
 ALIGNMENT = 16
 
@@ -370,11 +371,3 @@ def record_converted(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module,
     report.converted.append(fqn)
     if isinstance(old, nn.Linear):
         count_gemms(model, fqn, new, report.backend)
-
-
-def ignore_in_ddp(root: nn.Module, names: Iterable[str]) -> None:
-    """Add buffer names (relative to `root`) to those DistributedDataParallel leaves alone when it
-    broadcasts rank 0's buffers before each forward: per-rank state (recorded amaxes, GEMM counts)
-    must not be overwritten. DDP reads `_ddp_params_and_buffers_to_ignore` on the module it wraps."""
-    known = list(getattr(root, "_ddp_params_and_buffers_to_ignore", ()))
-    root._ddp_params_and_buffers_to_ignore = known + [n for n in names if n not in known]

@@ -1,161 +1,26 @@
-"""What ran in FP8: a running count per converted Linear, and the one log line at conversion.
+"""What ran in FP8, told to the user: the one log line at conversion, and the counts' read-back.
 
-Why: an FP8 run can silently be a high-precision run. A layer an engine leaves alone, a region
-that turns FP8 off, an input the GEMM cannot take: nothing fails, the loss looks fine, and the
-speed-up is gone. So each converted nn.Linear counts its forward calls in two bins, FP8 and high
-precision, and `fp8_coverage(model)` reads them back; conversion logs one line saying how many
-Linear layers run in FP8 and why the others do not (`log_conversion`).
-
-How the count stays cheap and torch.compile-friendly: the counts live in a non-persistent int64
-buffer of two elements on the layer's device (`fp8plug_gemm_counts`: FP8, high precision),
-incremented in place by a forward pre-hook, so a compiled graph mutates a buffer like any other
-(no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
-left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
-the converted root). Whether a call runs in FP8 is the engine's answer
-(`Engine.runs_fp8(module, input)`); an engine that does not say gets no counter.
-
-What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
-the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
-plus any eval-mode call that runs in FP8. Eval-mode calls in high precision, the default eval
-policy, are not counted. A forward recomputed by activation checkpointing is counted once. The
-counts are this process's own; they restart with the process.
+Why: an FP8 run can silently be a high-precision run (a layer an engine leaves alone, a region
+that turns FP8 off, an input the GEMM cannot take): nothing fails, the loss looks fine, and the
+speed-up is gone. So conversion logs one line saying how many Linear layers run in FP8 and why
+the others do not (`log_conversion`), and `fp8_coverage(model)` reads back the per-layer counts
+of FP8 and high-precision calls, which fp8plug.gemm_counts keeps (how they are counted, and why
+that stays cheap under torch.compile, is written there).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
-from torch import nn
+from accelerate.state import PartialState
 
-COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
-FP8, HIGH_PRECISION = 0, 1
+from ._upstream import process_state_exists
+from .gemm_counts import COUNTS, fp8_coverage  # noqa: F401  (fp8plug.coverage.fp8_coverage is public)
 
 logger = logging.getLogger("fp8plug")
-
-
-# --- counting ---------------------------------------------------------------------------------------
-
-
-class GemmCounter:
-    """The forward pre-hook that counts one call of a converted Linear as FP8 or high precision.
-
-    A picklable object (not a closure) so converted models still pickle; it keeps the engine's
-    name and looks the engine up again after unpickling."""
-
-    def __init__(self, backend: str, on_meta: bool = False):
-        self.backend = backend
-        self._engine = _engine(backend)
-        # counts made on the meta device hold whatever memory held once materialised (to_empty)
-        self.on_meta = on_meta
-
-    def __getstate__(self):
-        return {"backend": self.backend, "on_meta": self.on_meta}
-
-    def __setstate__(self, state):
-        self.backend = state["backend"]
-        self.on_meta = state.get("on_meta", False)
-        self._engine = _engine(self.backend)
-
-    def settle(self, module: nn.Module) -> None:
-        """Zero counts that were made on the meta device and have since been given memory (or make
-        them, where the weights were assigned and the counts left behind on meta)."""
-        if not self.on_meta:
-            return
-        counts = module._buffers[COUNTS]
-        weight = next((p for p in module.parameters(recurse=False)), None)
-        if counts.is_meta and (weight is None or weight.is_meta):
-            return
-        device = weight.device if counts.is_meta else counts.device
-        module._buffers[COUNTS] = torch.zeros(2, dtype=torch.int64, device=device)
-        self.on_meta = False
-
-    def __call__(self, module: nn.Module, args, kwargs):
-        self.settle(module)
-        x = args[0] if args else next(iter(kwargs.values()), None)
-        fp8 = bool(self._engine.runs_fp8(module, x))
-        if not (fp8 or module.training):
-            return None
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return None  # a forward recomputed during backward (activation checkpointing)
-        module._buffers[COUNTS].select(0, FP8 if fp8 else HIGH_PRECISION).add_(1)
-        return None
-
-
-def _engine(backend: str):
-    from .backends import get_backend
-
-    return get_backend(backend)
-
-
-def engine_counts(backend: str) -> bool:
-    """Whether the engine says, per call, whether a layer runs in FP8 (Engine.counts_gemms)."""
-    return _engine(backend).counts_gemms
-
-
-def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> bool:
-    """Give the converted Linear `module` (at `fqn` in `root`) its counter; False where the engine
-    cannot say per call whether it runs FP8. Idempotent."""
-    if has_gemm_counter(module):
-        return True
-    if not engine_counts(backend):
-        return False
-    device = next((p.device for p in module.parameters(recurse=False)), None)
-    module.register_buffer(COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
-    module.register_forward_pre_hook(GemmCounter(backend, on_meta=device is not None and device.type == "meta"),
-                                     with_kwargs=True)
-    from .convert import ignore_in_ddp  # convert imports this module
-
-    ignore_in_ddp(root, [f"{fqn}.{COUNTS}" if fqn else COUNTS])
-    return True
-
-
-def has_gemm_counter(module: nn.Module) -> bool:
-    return COUNTS in module._buffers
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside torch.compile's and DDP's wrappers, so names are the user's own."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
-    """The running GEMM counts of `model`'s converted Linear layers:
-
-        {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
-
-    counted per forward call since conversion (or the last reset; see the module doc for what
-    counts). `reset=True` zeroes the counts after reading them, e.g. once per logging interval.
-    Reading costs one device synchronisation. A model with no counted layer gives zeros and {}.
-    """
-    model = _unwrap(model)
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
-            if isinstance(hook, GemmCounter):
-                hook.settle(module)
-    found = [(fqn, m._buffers[COUNTS]) for fqn, m in model.named_modules() if has_gemm_counter(m)]
-    found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
-    layers: Dict[str, Tuple[int, int]] = {}
-    if found:
-        with torch.no_grad():
-            values = torch.stack([counts.detach().to(found[0][1].device) for _, counts in found]).tolist()
-            if reset:
-                for _, counts in found:
-                    counts.zero_()
-        layers = {fqn: (int(fp8), int(hp)) for (fqn, _), (fp8, hp) in zip(found, values)}
-    return {
-        "fp8_gemms": sum(fp8 for fp8, _ in layers.values()),
-        "high_precision_gemms": sum(hp for _, hp in layers.values()),
-        "layers": layers,
-    }
 
 
 # --- the log line ------------------------------------------------------------------------------------
@@ -164,13 +29,8 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
 def is_main_process() -> bool:
     """Whether this process logs: accelerate's main process where its state exists, else rank 0
     of torch.distributed, else the RANK variable a launcher set (0 without one)."""
-    try:
-        from accelerate.state import PartialState
-
-        if PartialState._shared_state:  # never build it here: that would start distributed
-            return bool(PartialState().is_main_process)
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        pass
+    if process_state_exists():  # never build it here: that would start distributed
+        return bool(PartialState().is_main_process)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
     return os.environ.get("RANK", "0").strip() in ("", "0")
@@ -207,4 +67,4 @@ def log_conversion(report, engine_text: str, subject: str = "model") -> Optional
     return line
 
 
-__all__ = ["count_gemms", "describe_engine", "fp8_coverage", "has_gemm_counter", "is_main_process", "log_conversion"]
+__all__ = ["COUNTS", "describe_engine", "fp8_coverage", "is_main_process", "log_conversion"]

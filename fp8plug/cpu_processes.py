@@ -21,16 +21,11 @@ import os
 
 import torch
 
-
-def env_flag(name: str) -> bool:
-    """Whether environment variable `name` holds a true value, as accelerate reads its flags."""
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on", "y", "t")
+from .launch_env import deepspeed_requested, env_flag
 
 
 def join_cpu_processes(arguments: dict, handlers: list) -> None:
     """Adjust accelerate.Accelerator's `arguments` and `handlers` (in place) as the module doc says."""
-    from .deepspeed import requested as deepspeed_requested
-
     cpu = bool(arguments.get("cpu")) or env_flag("ACCELERATE_USE_CPU")
     deepspeed = deepspeed_requested(arguments)
     if deepspeed and cpu:
@@ -69,4 +64,4 @@ def _has_accelerator() -> bool:
     return current() is not None
 
 
-__all__ = ["env_flag", "join_cpu_processes"]
+__all__ = ["join_cpu_processes"]

@@ -34,15 +34,11 @@ import contextlib
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Iterable, List, Optional
+from typing import Iterable, List
 
 from torch import nn
 
-from .cpu_processes import env_flag
 from .steps import end_step
-
-if TYPE_CHECKING:
-    from .accelerator import Accelerator
 
 logger = logging.getLogger("fp8plug")
 _STEP_HOOKED = "_fp8plug_step_hooked"
@@ -59,12 +55,6 @@ def zero_stage(accelerator) -> int:
     """The ZeRO stage of the active DeepSpeed plugin (0 when its config says none)."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     return int(config.get("zero_optimization", {}).get("stage", 0) or 0)
-
-
-def requested(arguments: dict) -> bool:
-    """Whether accelerate.Accelerator(**arguments) would run under DeepSpeed if it could: a
-    `deepspeed_plugin` argument, or a DeepSpeed launch config (ACCELERATE_USE_DEEPSPEED)."""
-    return arguments.get("deepspeed_plugin") is not None or env_flag("ACCELERATE_USE_DEEPSPEED")
 
 
 def check_processes(accelerator) -> None:
@@ -105,7 +95,7 @@ def clearer_init_errors(fp8_on: bool):
         raise
 
 
-def check_models(accelerator: "Accelerator", models: Iterable[nn.Module]) -> None:
+def check_models(accelerator, models: Iterable[nn.Module]) -> None:
     """Refuse, before conversion, what the FP8 engine cannot do under this DeepSpeed setup."""
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
@@ -118,7 +108,7 @@ def check_models(accelerator: "Accelerator", models: Iterable[nn.Module]) -> Non
             )
 
 
-def check_engine(accelerator: "Accelerator") -> None:
+def check_engine(accelerator) -> None:
     """Refuse, when the Accelerator is built, an engine that cannot run under this ZeRO stage at all."""
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
@@ -131,12 +121,12 @@ def check_engine(accelerator: "Accelerator") -> None:
     logger.info("fp8plug: FP8 with the %s engine under DeepSpeed ZeRO stage %d", engine.name, stage)
 
 
-def hook_engine_steps(accelerator: "Accelerator", prepared: Iterable[object]) -> None:
+def hook_engine_steps(accelerator, prepared: Iterable[object]) -> None:
     """Run the FP8 engine's end-of-step work once per applied DeepSpeed optimizer step, for every
     DeepSpeed engine in `prepared` whose module fp8plug converted."""
     for obj in prepared:
         module = getattr(obj, "module", None)
-        if not _is_deepspeed_engine(obj) or not any(module is m for m in accelerator._fp8_models):
+        if not _is_deepspeed_engine(obj) or not any(module is m for m in accelerator.fp8_models):
             continue
         if getattr(obj, _STEP_HOOKED, False):
             continue
@@ -168,5 +158,5 @@ def _is_deepspeed_engine(obj) -> bool:
 
 __all__: List[str] = [
     "check_engine", "check_models", "check_processes", "clearer_init_errors", "hook_engine_steps",
-    "is_deepspeed", "is_partitioned", "requested", "zero_stage",
+    "is_deepspeed", "is_partitioned", "zero_stage",
 ]

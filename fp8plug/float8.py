@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .api import sync_fp8_scaling
 from .backends import get_backend
 from .convert import ConversionError, ConversionReport
 from .coverage import describe_engine, log_conversion
@@ -487,8 +488,6 @@ def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     it by itself after the optimizer step, which then finds nothing left to do."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"sync_float8_amax_and_scale_history: expected an nn.Module, got {type(model).__name__}.")
-    from .api import sync_fp8_scaling
-
     sync_fp8_scaling(model)
 
 

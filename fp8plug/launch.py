@@ -12,8 +12,9 @@ launched processes import accelerate untouched.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
+
+from ._upstream import launcher_fp8_check
 
 
 def native_fp8_problem() -> Optional[str]:
@@ -29,18 +30,12 @@ def native_fp8_problem() -> Optional[str]:
     return None if ok else reason
 
 
-@contextlib.contextmanager
-def fp8_check_widened() -> Iterator[None]:
-    """Within the block, accelerate's launcher takes FP8 as available where fp8plug's native
-    engine runs; where it cannot either, the launcher's refusal names both reasons."""
-    import accelerate.utils.launch as launch_utils
+def fp8_check_widened():
+    """Within the block (a context manager), accelerate's launcher takes FP8 as available where
+    fp8plug's native engine runs; where it cannot either, the launcher's refusal names both
+    reasons."""
 
-    original = getattr(launch_utils, "is_fp8_available", None)
-    if original is None:  # an accelerate whose launcher has no such check: nothing to widen
-        yield
-        return
-
-    def is_fp8_available() -> bool:
+    def is_fp8_available(original) -> bool:
         if original():
             return True
         problem = native_fp8_problem()
@@ -52,11 +47,7 @@ def fp8_check_widened() -> Iterator[None]:
             "or launch without mixed_precision fp8."
         )
 
-    launch_utils.is_fp8_available = is_fp8_available
-    try:
-        yield
-    finally:
-        launch_utils.is_fp8_available = original
+    return launcher_fp8_check(is_fp8_available)
 
 
 def main(argv: Sequence[str]) -> int:

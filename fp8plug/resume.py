@@ -22,23 +22,21 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from accelerate.utils import DistributedType
 
 from . import checkpoint_dir
 from .checkpoint_dir import FP8_STATE_NAME, read_fp8_state
+from ._upstream import prepared_models, prepared_optimizers, registered_objects
 from .coverage import logger
-
-if TYPE_CHECKING:
-    from .accelerator import Accelerator
 
 FP8_STATE_CHOICES = ("saved", "fresh")
 _SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
-def save_state(accelerator: "Accelerator", accelerate_save, output_dir, safe_serialization: bool, **kwargs):
+def save_state(accelerator, accelerate_save, output_dir, safe_serialization: bool, **kwargs):
     """accelerate's save_state (`accelerate_save`), written whole or not at all (module doc)."""
     config = accelerator.project_configuration
     automatic = config.automatic_checkpoint_naming
@@ -86,7 +84,7 @@ def save_state(accelerator: "Accelerator", accelerate_save, output_dir, safe_ser
     return Path(final)
 
 
-def load_state(accelerator: "Accelerator", accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):
+def load_state(accelerator, accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):
     """accelerate's load_state (`accelerate_load`), after every check that can be made first (module doc).
 
     `fp8_state="fresh"` loads everything but the FP8 scaling state, which stays as this run's
@@ -155,10 +153,10 @@ def _find(accelerator, input_dir) -> str:
 
 def _check_registered_objects(accelerator, path: str) -> None:
     found = [f for f in os.listdir(path) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
-    if len(found) != len(accelerator._custom_objects):
+    if len(found) != len(registered_objects(accelerator)):
         raise ValueError(
             f"load_state: {path} holds {len(found)} registered object(s) (custom_checkpoint_*.pkl) but "
-            f"{len(accelerator._custom_objects)} are registered here; register the same objects, in the same "
+            f"{len(registered_objects(accelerator))} are registered here; register the same objects, in the same "
             "order, as when it was saved."
         )
 
@@ -166,7 +164,7 @@ def _check_registered_objects(accelerator, path: str) -> None:
 def _check_weight_files(accelerator, path: str, strict: bool) -> None:
     """Refuse weight files whose names or shapes do not fit the prepared models, before any is loaded
     (torch copies the tensors that fit and raises only at the end)."""
-    for i, model in enumerate(accelerator._models):
+    for i, model in enumerate(prepared_models(accelerator)):
         shapes = _saved_shapes(path, i)
         if shapes is None:
             continue
@@ -209,7 +207,7 @@ def _saved_shapes(path: str, index: int) -> Optional[dict]:
 def _check_optimizer_files(accelerator, path: str) -> None:
     """Refuse optimizer files whose parameter groups differ from the prepared optimizers' (torch
     would refuse them too, but only after the weights were loaded)."""
-    for i, optimizer in enumerate(accelerator._optimizers):
+    for i, optimizer in enumerate(prepared_optimizers(accelerator)):
         file = os.path.join(path, "optimizer.bin" if i == 0 else f"optimizer_{i}.bin")
         if not os.path.isfile(file):
             continue

@@ -20,7 +20,6 @@ transformers is imported only when this module is, never by `import fp8plug`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import numbers
 import os
@@ -28,8 +27,8 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 import transformers
-import transformers.trainer as _trainer_module
 
+from ._upstream import TrainerInternals, forget_prepared, is_prepared, trainer_builds_accelerator_with
 from .accelerator import Accelerator
 from .checkpoint_dir import FP8_STATE_NAME, read_fp8_state
 from .recipe import FP8RecipeKwargs
@@ -37,7 +36,7 @@ from .recipe import FP8RecipeKwargs
 logger = logging.getLogger("fp8plug")
 
 
-class FP8TrainerMixin:
+class FP8TrainerMixin(TrainerInternals):
     """Put in front of any `transformers.Trainer` subclass to train it in FP8:
     `class MySFT(FP8TrainerMixin, SFTTrainer)`; `FP8Trainer` is the mixin on Trainer itself.
 
@@ -62,7 +61,7 @@ class FP8TrainerMixin:
     # the Accelerator ---------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's own setup, with `fp8plug.Accelerator` built where it builds accelerate's."""
-        with _trainer_builds(self._build_fp8_accelerator):
+        with trainer_builds_accelerator_with(self.fp8_build_accelerator):
             super().create_accelerator_and_postprocess()
         if not isinstance(self.accelerator, Accelerator):
             raise TypeError(
@@ -72,7 +71,7 @@ class FP8TrainerMixin:
             )
         self.fp8_recipe = self.accelerator.fp8_recipe
 
-    def _build_fp8_accelerator(self, *args, **kwargs) -> Accelerator:
+    def fp8_build_accelerator(self, *args, **kwargs) -> Accelerator:
         """What Trainer's `Accelerator(**kwargs)` call makes instead: fp8plug's, in FP8."""
         precision = str(getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))).lower()
         if precision == "fp16":
@@ -92,30 +91,28 @@ class FP8TrainerMixin:
         kwargs["kwargs_handlers"] = handlers
         return Accelerator(*args, **kwargs)
 
-    # training ----------------------------------------------------------------------------------
-    def _wrap_model(self, model, training: bool = True, dataloader=None):
-        """Trainer's `_wrap_model`. Before training, a model that `evaluate()` prepared for
+    # training (Trainer's private hooks that call these: fp8plug._upstream.TrainerInternals) ----
+    def fp8_before_training_wrap(self) -> None:
+        """Before Trainer wraps the model for training: a model that `evaluate()` prepared for
         evaluation only (accelerate then marks it prepared, so `prepare` would skip its FP8
         conversion) gets that evaluation-only preparation undone first."""
-        if training:
-            _undo_evaluation_prepare(self.accelerator, self.model)
-        return super()._wrap_model(model, training=training, dataloader=dataloader)
+        _undo_evaluation_prepare(self.accelerator, self.model)
 
     # checkpoints -------------------------------------------------------------------------------
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Trainer's optimizer and scheduler files, plus the FP8 scaling state beside them."""
-        super()._save_optimizer_and_scheduler(output_dir)
+    def fp8_save_checkpoint(self, output_dir: str) -> None:
+        """After Trainer wrote a checkpoint's optimizer and scheduler files: the FP8 scaling state
+        beside them."""
         state = self.accelerator.fp8_checkpoint_state
         if state is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
         torch.save(state.state_dict(), os.path.join(output_dir, FP8_STATE_NAME))
 
-    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        """Trainer's optimizer and scheduler, plus the FP8 scaling state (the model is converted
-        by now: Trainer calls this after `prepare`). The FP8 state is read (without pickle) and
-        checked against this run's recipe before the optimizer is touched, so a refusal leaves
-        the optimizer and scheduler as they were."""
+    def fp8_load_checkpoint(self, checkpoint: Optional[str], load_rest) -> None:
+        """Trainer's optimizer and scheduler (`load_rest()`), plus the FP8 scaling state (the
+        model is converted by now: Trainer loads these after `prepare`). The FP8 state is read
+        (without pickle) and checked against this run's recipe before the optimizer is touched,
+        so a refusal leaves the optimizer and scheduler as they were."""
         state = self.accelerator.fp8_checkpoint_state
         saved = None
         if checkpoint is not None and state is not None:
@@ -133,7 +130,7 @@ class FP8TrainerMixin:
         if saved is not None:
             state.load_state_dict(saved)  # the engine checks converted layers and shapes; all or nothing
         try:
-            super()._load_optimizer_and_scheduler(checkpoint)
+            load_rest()
         except BaseException:
             if before is not None:
                 state.restore(before)
@@ -155,41 +152,16 @@ class FP8Trainer(FP8TrainerMixin, transformers.Trainer):
     `fp8_recipe=fp8plug.FP8RecipeKwargs(...)` (see FP8TrainerMixin)."""
 
 
-@contextlib.contextmanager
-def _trainer_builds(factory):
-    """Within the block, transformers.trainer's `Accelerator` name is `factory`.
-
-    Trainer.create_accelerator_and_postprocess calls `Accelerator(**args)` on the name its module
-    imported, and does a good deal of setup around that call (gradient accumulation, dataloader
-    and FSDP settings, DeepSpeed, checks) that should stay Trainer's own; this swaps only the one
-    call. The name is put back whatever happens."""
-    if not hasattr(_trainer_module, "Accelerator"):
-        raise RuntimeError(
-            f"transformers {transformers.__version__}: transformers.trainer has no `Accelerator` to swap "
-            "for fp8plug's; this transformers version is not supported by fp8plug.transformers."
-        )
-    original = _trainer_module.Accelerator
-    _trainer_module.Accelerator = factory
-    try:
-        yield
-    finally:
-        _trainer_module.Accelerator = original
-
-
 def _undo_evaluation_prepare(accelerator: Accelerator, model) -> None:
     """If `model` was prepared with `prepare_model(model, evaluation_mode=True)` but not converted,
     take it back to unprepared: the bf16 autocast wrapper off its forward, the prepared mark off,
     out of the accelerator's model list. Trainer's evaluation loop does that preparation when it
     runs before any training; without this, training would then run the model in bf16."""
-    if model is None or not getattr(model, "_is_accelerate_prepared", False):
+    if model is None or not is_prepared(model):
         return
-    if accelerator.fp8_engine is None or any(model is m for m in accelerator._fp8_models):
+    if accelerator.fp8_engine is None or any(model is m for m in accelerator.fp8_models):
         return
-    original = model.__dict__.pop("_original_forward", None)
-    if original is not None:
-        model.forward = original
-    del model._is_accelerate_prepared
-    accelerator._models[:] = [m for m in accelerator._models if m is not model]
+    forget_prepared(accelerator, model)
 
 
 def _flatten(values: Mapping[str, Any], prefix: str) -> Dict[str, float]:

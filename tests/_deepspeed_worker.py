@@ -192,7 +192,7 @@ def train(accelerator, model, optimizer, scheduler, data, start, stop, save_at=N
 def fp8_entries(accelerator):
     """Every converted layer's FP8 state as (name, entry), by name, read once at the end of a run
     for the digest, the scale ranges and the update counts below."""
-    return [item for model in accelerator._fp8_models
+    return [item for model in accelerator.fp8_models
             for item in sorted(accelerator.fp8_engine.fp8_state(model).items())]
 
 

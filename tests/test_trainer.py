@@ -218,7 +218,7 @@ def test_fp16_and_a_wrong_recipe_type_are_refused(tmp_path):
     trainer = FP8Trainer.__new__(FP8Trainer)
     trainer.fp8_recipe = None
     with pytest.raises(ValueError, match="fp16=True"):
-        trainer._build_fp8_accelerator(mixed_precision="fp16")
+        trainer.fp8_build_accelerator(mixed_precision="fp16")
 
 
 @pytest.mark.slow

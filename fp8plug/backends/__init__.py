@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from .. import gemm_counts
 from ..hardware import DeviceInfo, device_info
 from ..recipe import BACKENDS, normalize_backend
 from .base import MEASURED_ON, Engine, BackendUnavailableError, Probe, Speed
@@ -44,6 +45,18 @@ def _engine(canonical: str) -> Engine:
         module_name, class_name = _MODULES[canonical].split(":")
         _INSTANCES[canonical] = getattr(importlib.import_module(module_name), class_name)()
     return _INSTANCES[canonical]
+
+
+def _counting_engine(name: str) -> Optional[Engine]:
+    """The engine named `name` where it says, per call, whether a converted Linear runs in FP8
+    (Engine.counts_gemms), else None: what a GEMM counter asks (fp8plug.gemm_counts)."""
+    engine = get_backend(name)
+    return engine if engine.counts_gemms else None
+
+
+# GEMM counters sit below the registry (conversion installs them), so the registry hands them
+# its lookup instead of being imported by them.
+gemm_counts.use_engine_lookup(_counting_engine)
 
 
 @dataclass

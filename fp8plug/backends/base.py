@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..convert import ConversionReport
 from ..hardware import DeviceInfo
 
 if TYPE_CHECKING:
-    from ..convert import ConversionReport
     from ..recipe import FP8RecipeKwargs
 
 
@@ -208,8 +208,6 @@ class Engine:
         Linears: `convert` when `linear`, else an empty report."""
         if linear:
             return self.convert(model, recipe)
-        from ..convert import ConversionReport
-
         return ConversionReport(self.name)
 
     def convert_with_config(self, model: nn.Module, config: Any, modules_to_ignore=None,

@@ -1,0 +1,250 @@
+"""Every place fp8plug relies on accelerate's or transformers' private names, in one module.
+
+Why one module: a private name can change in any release without notice. Kept here, each reach
+says what it relies on and which versions it was checked against, so an upgrade means reading
+one file, and `grep _upstream` finds every caller. Nothing else in fp8plug may touch a private
+name of accelerate or transformers (a leading underscore, a private method overridden, a module
+attribute swapped); fp8plug's own modules reach one another through public names
+(`fp8plug.Accelerator.fp8_models`, say).
+
+Versions checked: accelerate 1.8.0 (the oldest setup.cfg allows, run by .ci/run) and 1.15.0;
+transformers 5.10.1 (the oldest setup.cfg allows, run by .ci/run), 5.17.0 (the GPU machine) and
+5.23.0. transformers is imported only inside the functions that need it, so `import fp8plug`
+stays free of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import accelerate
+import torch
+
+# --- accelerate: what `Accelerator.fp8_backend` is compared with ----------------------------------
+# accelerate's FP8 branches (_prepare_te, _prepare_ao, _prepare_msamp, TE autowrap) run when
+# `self.fp8_backend == FP8BackendType.<X>` (1.15.0) or `== "<X>"` (1.8.0); FP8BackendType, a str
+# enum whose values are those upper-case names, lives in accelerate.utils.dataclasses and is not
+# exported from accelerate.utils. Checked: 1.8.0, 1.15.0 (members NO, TE, AO, MSAMP).
+try:
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    NO_FP8, AO_FP8 = FP8BackendType.NO, FP8BackendType.AO
+except (ImportError, AttributeError):  # pragma: no cover - accelerate before the enum
+    NO_FP8, AO_FP8 = None, "AO"
+
+
+class FP8EngineName(str):
+    """`Accelerator.fp8_backend` while fp8plug runs FP8: the engine's name ("native", "ao", "te",
+    "msamp"). Lower-case, so it equals no FP8BackendType member ("NO", "TE", "AO", "MSAMP") and
+    accelerate's own FP8 branches stay off; `.value` gives the name, as an enum member would."""
+
+    @property
+    def value(self) -> str:
+        """The engine's name, as a plain str."""
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"FP8EngineName({str(self)!r})"
+
+
+class AcceleratorInternals:
+    """What fp8plug.Accelerator overrides of accelerate.Accelerator's private workings; put
+    before accelerate.Accelerator among its bases. The subclass provides `fp8_engine` and
+    `fp8_weights_may_lack_storage()`."""
+
+    # Relies on: accelerate.Accelerator._get_named_parameters(*models, drop_refs=...) calling
+    # `self.fp8_backend` and, only when that equals FP8BackendType.AO, unwrapping torchao's float8
+    # weight tensors (whose data_ptr() is 0) before mapping parameters by data pointer under
+    # FSDP2. So `fp8_backend` says AO for exactly that call (`_fp8_as_ao`), where an engine's
+    # weights may lack storage. Checked: 1.8.0, 1.15.0.
+    _fp8_as_ao = False
+
+    @property
+    def fp8_backend(self):
+        """The FP8 engine in use, by name ("native", "ao", "te", "msamp"), or FP8BackendType.NO
+        without FP8. The name is an FP8EngineName: a str equal to no FP8BackendType member, so
+        every `self.fp8_backend == FP8BackendType.X` branch of accelerate's stays off: fp8plug
+        does that work. The engine object is `fp8_engine`."""
+        if getattr(self, "_fp8_as_ao", False):
+            return AO_FP8
+        engine = getattr(self, "fp8_engine", None)
+        return NO_FP8 if engine is None else FP8EngineName(engine.name)
+
+    def _get_named_parameters(self, *args, drop_refs=False):
+        self._fp8_as_ao = drop_refs and self.fp8_weights_may_lack_storage()
+        try:
+            return super()._get_named_parameters(*args, drop_refs=drop_refs)
+        finally:
+            self._fp8_as_ao = False
+
+    # Relies on: accelerate.Accelerator._prepare_fsdp2(*args) receiving the optimizers among
+    # `args` and finding each optimizer parameter's sharded replacement by data_ptr(). A tensor
+    # subclass wrapping the weight (torchao's float8 all-gather weight) reports 0 there, so the
+    # optimizer is handed the wrapped tensor, which shares the weight's storage. Checked: 1.8.0
+    # (where _prepare_fsdp2 first appears), 1.15.0.
+    def _prepare_fsdp2(self, *args):
+        if self.fp8_engine is not None:
+            for obj in args:
+                if isinstance(obj, torch.optim.Optimizer):
+                    for group in obj.param_groups:
+                        group["params"] = [storage_view(p) for p in group["params"]]
+        return super()._prepare_fsdp2(*args)
+
+
+def storage_view(param: torch.Tensor) -> torch.Tensor:
+    """`param`, or the plain tensor inside it when it is a wrapper subclass without storage of its
+    own (data_ptr() == 0) that keeps the real one as `_tensor`, as torchao's float8 weights do."""
+    inner = getattr(param, "_tensor", None)
+    if isinstance(inner, torch.Tensor):
+        try:
+            if param.data_ptr() == 0:
+                return inner
+        except RuntimeError:
+            return inner
+    return param
+
+
+# --- accelerate: process-wide state ----------------------------------------------------------------
+# Relies on: AcceleratorState and PartialState being borg singletons whose attributes live in the
+# class-level dict `_shared_state`, with the mixed precision under "_mixed_precision" and an
+# "initialized" flag; reading it never builds the state (building PartialState would start
+# distributed). Checked: 1.8.0, 1.15.0.
+def shared_precision() -> Optional[str]:
+    """The mixed precision accelerate's process-wide state was fixed at, if any Accelerator was
+    built before this one."""
+    state = accelerate.state.AcceleratorState._shared_state
+    if not state.get("initialized", False) and "_mixed_precision" not in state:
+        return None
+    return str(state.get("_mixed_precision", "")).lower() or None
+
+
+def process_state_exists() -> bool:
+    """Whether accelerate's PartialState was set up in this process (without setting it up)."""
+    return bool(accelerate.state.PartialState._shared_state)
+
+
+# --- accelerate: what an Accelerator holds ----------------------------------------------------------
+# Relies on: Accelerator keeping the objects prepare() handled in the lists `_models` and
+# `_optimizers`, and those register_for_checkpointing() took in `_custom_objects`, in order,
+# which save_state/load_state walk (its model_i / optimizer_i / custom_checkpoint_i files).
+# Checked: 1.8.0, 1.15.0.
+def prepared_models(accelerator) -> List:
+    """The models `accelerator.prepare` handled, in order (save_state's model_<i> files)."""
+    return accelerator._models
+
+
+def prepared_optimizers(accelerator) -> List:
+    """The optimizers `accelerator.prepare` handled, in order (save_state's optimizer_<i> files)."""
+    return accelerator._optimizers
+
+
+def registered_objects(accelerator) -> List:
+    """The objects given to `accelerator.register_for_checkpointing`, in order."""
+    return accelerator._custom_objects
+
+
+# Relies on: prepare() marking a model it handled with `model._is_accelerate_prepared = True`
+# and, where it wraps the forward in autocast, keeping the forward it replaced as
+# `model._original_forward` (an instance attribute). Checked: 1.8.0, 1.15.0.
+def is_prepared(model) -> bool:
+    """Whether some Accelerator's prepare() has handled `model`."""
+    return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+def restore_forward(model) -> None:
+    """Put back the forward that prepare() wrapped in autocast, if it wrapped one."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is not None:
+        model.forward = original
+
+
+def forget_prepared(accelerator, model) -> None:
+    """Take `model` back to unprepared: its forward unwrapped, its prepared mark off, out of
+    `accelerator`'s model list."""
+    restore_forward(model)
+    model.__dict__.pop("_is_accelerate_prepared", None)
+    accelerator._models[:] = [m for m in accelerator._models if m is not model]
+
+
+@contextlib.contextmanager
+def launcher_fp8_check(decide):
+    """Within the block, accelerate's launcher asks `decide(original)` whether FP8 is available,
+    `original` being its own check; the name is put back whatever happens.
+
+    Relies on: accelerate.utils.launch's command builders (prepare_simple_launcher_cmd_env,
+    prepare_multi_gpu_env) calling the module-level name `is_fp8_available()` it imported, when
+    mixed precision is fp8. An accelerate without that name has nothing to widen. Checked: 1.8.0,
+    1.15.0."""
+    import accelerate.utils.launch as launch_utils
+
+    original = getattr(launch_utils, "is_fp8_available", None)
+    if original is None:
+        yield
+        return
+    launch_utils.is_fp8_available = lambda: decide(original)
+    try:
+        yield
+    finally:
+        launch_utils.is_fp8_available = original
+
+
+# --- transformers: how Trainer builds and checkpoints ------------------------------------------------
+@contextlib.contextmanager
+def trainer_builds_accelerator_with(factory):
+    """Within the block, transformers.trainer's `Accelerator` name is `factory`.
+
+    Relies on: Trainer.create_accelerator_and_postprocess calling `Accelerator(**args)` on the
+    name transformers.trainer imported at module level, and doing a good deal of setup around
+    that call (gradient accumulation, dataloader and FSDP settings, DeepSpeed, checks) that should
+    stay Trainer's own; this swaps only the one call and puts the name back whatever happens.
+    Checked: 5.10.1, 5.17.0, 5.23.0."""
+    import transformers
+    import transformers.trainer as trainer_module
+
+    if not hasattr(trainer_module, "Accelerator"):
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: transformers.trainer has no `Accelerator` to swap "
+            "for fp8plug's; this transformers version is not supported by fp8plug.transformers."
+        )
+    original = trainer_module.Accelerator
+    trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        trainer_module.Accelerator = original
+
+
+class TrainerInternals:
+    """What fp8plug's Trainer mixin overrides of transformers.Trainer's private methods; put
+    before the Trainer class among the bases. The subclass provides `fp8_before_training_wrap()`,
+    `fp8_save_checkpoint(output_dir)` and `fp8_load_checkpoint(checkpoint, load_rest)`.
+
+    Relies on (checked: 5.10.1, 5.17.0, 5.23.0):
+    - `_wrap_model(model, training=True, dataloader=None)`: called by the training loop with
+      training=True before it prepares the model, and by evaluation with training=False;
+    - `_save_optimizer_and_scheduler(output_dir)`: writes a checkpoint's optimizer and scheduler
+      files into its folder, on every process that saves;
+    - `_load_optimizer_and_scheduler(checkpoint)`: called on resume after `prepare`, with the
+      checkpoint folder or None.
+    """
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if training:
+            self.fp8_before_training_wrap()
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        self.fp8_save_checkpoint(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        load_rest = super()._load_optimizer_and_scheduler
+        self.fp8_load_checkpoint(checkpoint, lambda: load_rest(checkpoint))
+
+
+__all__ = [
+    "AO_FP8", "AcceleratorInternals", "FP8EngineName", "NO_FP8", "TrainerInternals", "forget_prepared",
+    "is_prepared", "launcher_fp8_check", "prepared_models", "prepared_optimizers", "process_state_exists", "registered_objects",
+    "restore_forward", "shared_precision", "storage_view", "trainer_builds_accelerator_with",
+]
