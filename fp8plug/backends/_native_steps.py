@@ -33,7 +33,6 @@ def _is_delayed_layer(module: nn.Module) -> bool:
 # WeakKeyDictionary keeps insertion order), so every rank walks its layers in the same order and
 # the one all-reduce lines them up; each with its skipped-step guard.
 _TRACKED: "weakref.WeakKeyDictionary[nn.Module, _SkippedStepGuard]" = weakref.WeakKeyDictionary()
-_ENGINE = []  # the engine that directly built layers are tracked under, made on first use
 
 
 class _SkippedStepGuard:
@@ -62,7 +61,7 @@ class _SkippedStepGuard:
                 forget_bad_step([m.fp8_amax_recorded for m in self.layers])
 
 
-def track_for_sync(model: nn.Module, engine=None) -> None:
+def track_for_sync(model: nn.Module, engine) -> None:
     """Update `model`'s delayed scaling after every step of an optimizer that trains it, whatever
     runs the loop (fp8plug.steps.track, under `engine`: the one that converted it, or for a
     directly built layer the native engine), and forget what a skipped step recorded at its next
@@ -77,12 +76,6 @@ def track_for_sync(model: nn.Module, engine=None) -> None:
         if inner is not None and getattr(inner, "handle", None) is not None:
             inner.handle.remove()
             inner.handle = None
-    if engine is None:
-        if not _ENGINE:
-            from .native import NativeEngine
-
-            _ENGINE.append(NativeEngine())
-        engine = _ENGINE[0]
     track(model, engine)
 
 

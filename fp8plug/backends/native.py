@@ -201,7 +201,7 @@ class NativeFP8Linear(nn.Linear):
         self.reduce_amax = bool(reduce_amax)
         self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
         if self.delayed:
-            track_for_sync(self)  # a layer built directly is synced like a converted model
+            track_for_sync(self, _direct_layers_engine())  # a layer built directly is synced like a converted model
             fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
 
     def _fresh_fp8_state(self, length: int, device) -> None:
@@ -318,6 +318,15 @@ class NativeFP8Linear(nn.Linear):
 
 
 # --- the engine --------------------------------------------------------------------------------------
+
+
+_DIRECT = []  # the engine directly built layers are tracked under, made on first use
+
+
+def _direct_layers_engine() -> "NativeEngine":
+    if not _DIRECT:
+        _DIRECT.append(NativeEngine())
+    return _DIRECT[0]
 
 
 class NativeEngine(Engine):
