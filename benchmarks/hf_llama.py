@@ -12,8 +12,11 @@ row changes only the Accelerator:
   fp8plug                 fp8plug.Accelerator(mixed_precision="fp8")   (the automatic engine choice)
   fp8plug-native|ao|te    fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=...)])
 
-each `-eager` or `-compiled`; compiled = the whole model under torch.compile through the
-Accelerator's own `dynamo_backend="inductor"`, the same mechanism for every row. Each row runs in
+each `-eager`, `-compiled`, `-usercompiled` or `-precompiled`: compiled = the whole model under
+torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled = the
+user's own `torch.compile(model)` after prepare (how most training loops compile); precompiled =
+`torch.compile(model)` before prepare. The Accelerator knows how the model will run only in the
+first of the three. Each row runs in
 its own process (this script with --row), so memory, compile caches and engine globals cannot
 leak between rows. All rows train on the same data from the same initial weights.
 
@@ -81,12 +84,18 @@ BASES = {
     "accelerate-te": ("accelerate", "fp8", "te", {}),
     "fp8plug": ("fp8plug", "fp8", None, {}),
     "fp8plug-native": ("fp8plug", "fp8", "native", {}),
+    "fp8plug-native-dynamic": ("fp8plug", "fp8", "native", dict(scaling="dynamic")),
+    "fp8plug-native-delayed": ("fp8plug", "fp8", "native", dict(scaling="delayed")),
     "fp8plug-ao": ("fp8plug", "fp8", "ao", {}),
     "fp8plug-te": ("fp8plug", "fp8", "te", {}),
 }
-MODES = ("eager", "compiled")
+# How the model is held: eager; `compiled`, Accelerate's dynamo_backend="inductor" (the
+# Accelerator knows before prepare); `usercompiled`, the user's own torch.compile(model) after
+# prepare (most training loops); `precompiled`, torch.compile(model) before prepare.
+MODES = ("eager", "compiled", "usercompiled", "precompiled")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
-DEFAULT_ROWS = [row for row in ALL_ROWS if row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager")]
+DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
+                and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager")]
 REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
 LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps
 ALPHABET, NOISE = 1024, 0.1  # the synthetic task (make_batches)
@@ -174,7 +183,7 @@ def unavailable(row: str, device) -> str:
         return "" if verdict.usable else verdict.reason
     try:  # the Accelerator's own choice for this mode: choosing by order would import every engine,
         # TransformerEngine too, whose cuDNN then costs the row cuDNN attention (seen on the H100)
-        select_backend(None, device, compiled=row.endswith("-compiled"))
+        select_backend(None, device, compiled=True if row.endswith("-compiled") else None)
     except BackendUnavailableError as exc:
         return str(exc).splitlines()[0]
     return ""
@@ -209,7 +218,11 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
     warmup = max(1, steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+    if mode == "precompiled":
+        model = torch.compile(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if mode == "usercompiled":
+        model = torch.compile(model)
     return accelerator, model, optimizer, scheduler
 
 

@@ -118,7 +118,10 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
-            self.fp8_selection = select_backend(recipe.backend, device=self.device, compiled=self._compiles_model())
+            # compiled: known only with a dynamo backend; otherwise the user may still compile the
+            # model themselves, before or after prepare, so the choice is for either (None)
+            self.fp8_selection = select_backend(recipe.backend, device=self.device,
+                                                compiled=True if self._compiles_model() else None)
             self.fp8_engine = self.fp8_selection.backend
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
             if self.fp8_selection.mode and is_main_process():

@@ -30,9 +30,9 @@ def convert_model(
     modules in place, or back to torch modules with `to_transformer_engine=False`.
 
     Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
-    automatically: with `compiled` (whether you will torch.compile the model) the engine measured
-    fastest that way (fp8plug.backends.select_backend), else TransformerEngine where it runs, else
-    torchao, else native. As in Accelerate,
+    automatically (fp8plug.backends.select_backend): on an FP8 GPU by measured speed, in the mode
+    `compiled` names (whether you will torch.compile the model) or, left None, for either; without
+    FP8 GEMMs TransformerEngine where it runs, else torchao, else native. As in Accelerate,
     every eligible layer is converted: the automatic speed filter acts here only when the recipe
     asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
     Returns the ConversionReport of what was converted and why anything was skipped (None when

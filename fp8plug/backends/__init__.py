@@ -25,7 +25,8 @@ _MODULES = {
     "native": "fp8plug.backends.native:NativeEngine",
 }
 _INSTANCES: Dict[str, Engine] = {}
-_A = {"compiled": "a compiled", "eager": "an eager"}
+_A = {"compiled": "a compiled", "eager": "an eager", "any": "a"}
+MODES = ("compiled", "eager")  # how a model can run, each with its Engine.measured figure
 # bf16 eager's speed against bf16 compiled in the run behind Engine.measured: an FP8 engine below
 # it is slower than not using FP8 at all when the model runs eagerly
 BF16_EAGER_SPEEDUP = 0.84
@@ -80,7 +81,9 @@ class Selection:
     device: DeviceInfo
     requested: Optional[str]
     verdicts: Dict[str, Verdict] = field(default_factory=dict)
-    mode: Optional[str] = None  # "compiled" or "eager" when the automatic choice ranked by measured speed
+    # "compiled" or "eager" when the automatic choice ranked by measured speed in a known mode;
+    # "any" when ranked for a model that may run either way (see select_backend)
+    mode: Optional[str] = None
 
     @property
     def name(self) -> Optional[str]:
@@ -88,8 +91,10 @@ class Selection:
 
     @property
     def speed(self) -> Optional[Speed]:
-        """The chosen engine's measured speed in this selection's mode (None outside a ranked choice)."""
-        return self.backend.measured.get(self.mode) if self.backend and self.mode else None
+        """The chosen engine's measured speed in this selection's mode (None outside a ranked
+        choice); for "any", its compiled figure, with the scaling it was measured with in both
+        modes (None where the two differ)."""
+        return _speed(self.backend, self.mode) if self.backend and self.mode else None
 
     def tune(self, recipe):
         """`recipe` with the settings the chosen engine was measured fastest with (its `scaling`),
@@ -105,6 +110,10 @@ class Selection:
         if speed is None:
             return f"{self.name}"
         with_scaling = f" with {speed.scaling} scaling" if speed.scaling else ""
+        if self.mode == "any":
+            figures = ", ".join(f"{self.backend.measured[m].speedup:.2f}x {m}" for m in MODES)
+            return (f"{self.name}{with_scaling}, measured fastest however the model is held, eager or "
+                    f"compiled before or after prepare ({figures}, against bf16 compiled; {MEASURED_ON})")
         line = (f"{self.name}{with_scaling}, measured fastest for {_A[self.mode]} model "
                 f"({speed.speedup:.2f}x bf16 compiled; {MEASURED_ON})")
         if self.mode == "eager" and speed.speedup < BF16_EAGER_SPEEDUP:
@@ -116,6 +125,10 @@ class Selection:
         lines = [f"device: {self.device.describe()}"]
         if self.requested:
             how = f"requested backend={self.requested!r}"
+        elif self.mode == "any":
+            how = ("automatic, the engine whose slower mode (eager or compiled) comes closest to the "
+                   f"fastest engine in that mode ({MEASURED_ON}); unmeasured engines and ties within 1% "
+                   "in the order msamp, te, ao, native")
         elif self.mode:
             how = (f"automatic, the fastest measured for {_A[self.mode]} model ({MEASURED_ON}); "
                    "unmeasured engines and ties within 1% in the order msamp, te, ao, native")
@@ -127,11 +140,12 @@ class Selection:
                 "usable" if verdict.usable else "no" if verdict.checked else "skipped"
             )
             version = f" {verdict.probe.version}" if verdict.probe.version else ""
-            speed = _engine(verdict.name).measured.get(self.mode) if self.mode else None
-            measured = ""
-            if speed is not None:
-                with_scaling = f", {speed.scaling} scaling" if speed.scaling else ""
-                measured = f" [{self.mode}: {speed.speedup:.2f}x bf16 compiled{with_scaling}]"
+            engine = _engine(verdict.name)
+            modes = (MODES if self.mode == "any" else (self.mode,)) if self.mode else ()
+            figures = [f"{m}: {engine.measured[m].speedup:.2f}x bf16 compiled"
+                       + (f", {engine.measured[m].scaling} scaling" if engine.measured[m].scaling else "")
+                       for m in modes if m in engine.measured]
+            measured = f" [{'; '.join(figures)}]" if figures else ""
             lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}{measured}")
         return "\n".join(lines)
 
@@ -168,12 +182,14 @@ def _none_usable(selection: Selection) -> BackendUnavailableError:
 
 def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None) -> Selection:
     """Choose the engine: the requested one if it can run (else an error saying why and how to
-    install it), or automatically among the usable ones. Automatically, where it is known how the
-    model will run (`compiled` True or False) and the device has FP8 GEMMs, the engine measured
-    fastest in that mode wins (Engine.measured: under torch.compile the native engine with dynamic
-    scaling, eager TransformerEngine); otherwise, and between engines within 1% or unmeasured, the
-    first usable one in the order msamp, te, ao, native. `Selection.tune` then gives the recipe the
-    settings that figure was measured with.
+    install it), or automatically among the usable ones. Automatically, on a device with FP8
+    GEMMs, by measured speed (Engine.measured): where it is known how the model will run
+    (`compiled` True or False), the engine fastest in that mode; where it is not (None: most
+    training loops call torch.compile(model) themselves after prepare, which nothing can see
+    coming), the engine that loses least in its slower mode, so that the default is fast however
+    the model is held. Between engines within 1% or unmeasured, and on a device without FP8
+    GEMMs, the first usable one in the order msamp, te, ao, native. `Selection.tune` then gives
+    the recipe the settings that figure was measured with.
 
     In the automatic choice by order every engine is judged, not only the winner, so the choice
     can be explained. A requested engine is the only one probed, and the choice by measured speed
@@ -184,8 +200,8 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     info = device if isinstance(device, DeviceInfo) else device_info(device)
     requested = normalize_backend(requested)  # the one place a requested name is normalised
     selection = Selection(None, info, requested)
-    if requested is None and compiled is not None and info.type == "cuda" and info.fp8_gemm:
-        return _ranked_choice(selection, "compiled" if compiled else "eager")
+    if requested is None and info.type == "cuda" and info.fp8_gemm:
+        return _ranked_choice(selection, "any" if compiled is None else "compiled" if compiled else "eager")
     for name in BACKENDS:
         checked = requested is None or name == requested
         selection.verdicts[name] = judge(name, info) if checked else not_checked(
@@ -217,25 +233,48 @@ def _ranked_choice(selection: Selection, mode: str) -> Selection:
             if verdict.usable:
                 selection.backend = _engine(name)
         else:
-            selection.verdicts[name] = not_checked(name, f"{selection.backend.name} is measured faster")
+            selection.verdicts[name] = not_checked(name, f"{selection.backend.name} ranks before it")
     selection.verdicts = {name: selection.verdicts[name] for name in BACKENDS}
     if selection.backend is None:
         raise _none_usable(selection)
     return selection
 
 
+def _speed(engine: Engine, mode: str) -> Optional[Speed]:
+    """`engine`'s measured speed in `mode`; for "any", its compiled figure with the scaling of
+    both modes' measurements where they agree (else None: the engine's default)."""
+    if mode != "any":
+        return engine.measured.get(mode)
+    if not all(m in engine.measured for m in MODES):
+        return None
+    scalings = {engine.measured[m].scaling for m in MODES}
+    return Speed(engine.measured["compiled"].speedup, scalings.pop() if len(scalings) == 1 else None)
+
+
+def _scores(names, mode: str) -> Dict[str, Optional[float]]:
+    """Each engine's figure to rank by in `mode` (None: unmeasured). In a known mode its speed-up;
+    for "any", the worse of its two fractions of the fastest engine in each mode (an engine 14%
+    behind when compiled and level when eager scores 0.86)."""
+    if mode != "any":
+        return {n: (_engine(n).measured[mode].speedup if mode in _engine(n).measured else None) for n in names}
+    best = {m: max((_engine(n).measured[m].speedup for n in names if m in _engine(n).measured), default=0.0)
+            for m in MODES}
+    return {n: (min(_engine(n).measured[m].speedup / best[m] for m in MODES)
+                if all(m in _engine(n).measured for m in MODES) else None) for n in names}
+
+
 def _fastest_first(names, mode: str):
-    """`names` (in the automatic order) ranked by measured speed in `mode`, fastest first; a
-    figure within 1% of a faster one counts as a tie, and ties and unmeasured engines keep the
-    automatic order (Python's sort is stable)."""
-    speeds = {n: _engine(n).measured.get(mode) for n in names}
-    best = max((s.speedup for s in speeds.values() if s is not None), default=0.0)
+    """`names` (in the automatic order) ranked by measured speed in `mode` (_scores), fastest
+    first; a figure within 1% of a faster one counts as a tie, and ties and unmeasured engines
+    keep the automatic order (Python's sort is stable)."""
+    scores = _scores(names, mode)
+    best = max((s for s in scores.values() if s is not None), default=0.0)
 
     def rank(name):
-        speed = speeds[name]
-        if speed is None:
+        score = scores[name]
+        if score is None:
             return (2, 0.0)
-        return (0, 0.0) if speed.speedup >= best * 0.99 else (1, -speed.speedup)
+        return (0, 0.0) if score >= best * 0.99 else (1, -score)
 
     return sorted(names, key=rank)
 

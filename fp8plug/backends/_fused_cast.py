@@ -1,4 +1,5 @@
-"""One-pass FP8 cast for delayed scaling on CUDA: both layouts and the amax from one read.
+"""One-pass FP8 cast on CUDA: both layouts and the amax from one read (delayed scaling), or from
+two (dynamic scaling, whose scale needs the amax first).
 
 Why: an FP8 Linear needs each operand in FP8 twice, as is and transposed (Hopper's FP8 GEMMs take
 the reduced dimension contiguous on both sides, so backward wants the transposed copies). With
@@ -12,8 +13,9 @@ an H100 that left the native engine 5-7% behind TransformerEngine with the very 
 runs only while the slot has no scale yet, and returns at once afterwards.
 
 `cast_transpose` is a torch custom op (torch.library.triton_op), so it also compiles. The native
-engine uses it for delayed slots of CUDA tensors in eager execution, where each torch op would be
-its own pass over the tensor; under torch.compile, and on the CPU or without Triton, it casts with
+engine uses it for CUDA tensors in eager execution, where each torch op would be its own pass over
+the tensor (and its own launch): for delayed slots, and for dynamic ones as the first step of a
+delayed slot (`cast_transpose_dynamic`: the amax pass, then the cast with that amax's scale); under torch.compile, and on the CPU or without Triton, it casts with
 torch ops (fp8plug.scaling), which give the same bytes.
 """
 
@@ -64,12 +66,32 @@ def usable(t: torch.Tensor) -> bool:
 
 
 def cast_transpose(t: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
-                   margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|) for a delayed slot,
-    the scale as scaling.delayed_scale gives it, as in NativeFP8Linear's torch path. max |t| is NaN
-    if t holds a NaN. Needs `usable(t)`."""
+                   margin: int) -> Tuple[torch.Tensor, ...]:
+    """(t in FP8, its transpose in FP8 and contiguous, the scale used, max |t|, 1 / scale) for a
+    delayed slot, the scale as scaling.delayed_scale gives it, as in NativeFP8Linear's torch path
+    (1 / scale as torch's reciprocal gives it: the factor the GEMM takes, written by the kernel
+    rather than by one more launch). max |t| is NaN if t holds a NaN. Needs `usable(t)`."""
     return torch.ops.fp8plug.cast_transpose(t.contiguous(), prev_scale.reshape(1).float(), use_prev.reshape(1),
-                                            dtype, margin)
+                                            dtype, margin, False)
+
+
+# Per device, the (scale, flag) of a slot that has never been scaled: a dynamic cast is the first
+# step of a delayed one, every time (the scale from the tensor's own amax), made once so that a
+# cast adds no launch to fill them.
+_NEVER_SCALED = {}
+
+
+def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+    """cast_transpose for dynamic scaling: the scale is scaling.scale_from_amax of t's own amax
+    (no margin, as the torch path's dynamic cast). Two passes over t (the amax, then the cast of
+    both layouts) in three launches, where torch ops take one launch an op. The amax returned is
+    the amax pass's (inf where t holds a NaN): a dynamic slot keeps no history, so the cast's
+    per-tile maxima are not reduced again."""
+    flags = _NEVER_SCALED.get(t.device)
+    if flags is None:
+        flags = _NEVER_SCALED[t.device] = (torch.ones(1, device=t.device),
+                                           torch.zeros(1, dtype=torch.bool, device=t.device))
+    return torch.ops.fp8plug.cast_transpose(t.contiguous(), flags[0], flags[1], dtype, 0, True)
 
 
 def _can_build() -> bool:
@@ -86,8 +108,9 @@ def _build():
     """Define the two Triton kernels and register the op (torch.ops.fp8plug.cast_transpose).
 
     Four launches a cast, whatever the slot's state: zeroing the first-step amax, the amax pass
-    (which returns at once once the slot is scaled), the cast, which works out the scale itself,
-    and the reduction of its per-tile amaxes. Working the scale out with torch ops took about ten
+    (which returns at once once the slot is scaled), the cast, which works out the scale and its
+    inverse itself, and the reduction of its per-tile amaxes (not for a dynamic cast, whose amax
+    the amax pass found). Working the scale out with torch ops took about ten
     more tiny launches a cast, each a gap in the GPU's queue."""
     import triton
     import triton.language as tl
@@ -107,11 +130,11 @@ def _build():
         tl.atomic_max(amax_ptr, tl.max(running, axis=0))
 
     @triton.jit
-    def cast_both_layouts(x_ptr, prev_ptr, use_prev_ptr, amax_ptr, scale_ptr, y_ptr, yt_ptr, partial_ptr, M, N,
+    def cast_both_layouts(x_ptr, prev_ptr, use_prev_ptr, amax_ptr, scale_ptr, inv_ptr, y_ptr, yt_ptr, partial_ptr, M, N,
                           FP8_LIMIT: tl.constexpr, INV_MARGIN: tl.constexpr, MAX_SCALE: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, TRANSPOSE_IN_REGISTERS: tl.constexpr):
         """y = saturate(x * scale) in FP8, written row-major and transposed; per-tile max |x|;
-        the first program also writes the scale."""
+        the first program also writes the scale and its inverse."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         # scaling.delayed_scale, in torch's float32 steps (reciprocal, times fp8_max, times
         # 2**-margin, clamp; 1 where the amax is 0 or not finite), so the bytes match
@@ -121,6 +144,7 @@ def _build():
         scale = tl.where(tl.load(use_prev_ptr) != 0, tl.load(prev_ptr), fresh).to(tl.float32)
         if (pm == 0) & (pn == 0):
             tl.store(scale_ptr, scale)
+            tl.store(inv_ptr, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))  # torch's reciprocal
         rows = pm.to(tl.int64) * BM + tl.arange(0, BM)
         cols = pn.to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -146,22 +170,24 @@ def _build():
 
     @triton_op("fp8plug::cast_transpose", mutates_args={})
     def op(x: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
-           margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           margin: int, dynamic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = x.shape
         first_amax = torch.zeros((), device=x.device, dtype=torch.float32)
         programs = max(1, min(triton.cdiv(x.numel(), _AMAX_BLOCK), _AMAX_PROGRAMS))
         wrap_triton(amax_unless_scaled)[(programs,)](x, x.numel(), use_prev, first_amax, BLOCK=_AMAX_BLOCK,
                                                     num_warps=8)
         scale = torch.empty((), device=x.device, dtype=torch.float32)
+        inv = torch.empty((), device=x.device, dtype=torch.float32)
         y = torch.empty((m, n), device=x.device, dtype=dtype)
         yt = torch.empty((n, m), device=x.device, dtype=dtype)
         bm, bn, warps = TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         tiles = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.float32)
         in_registers = TRANSPOSE_16BIT_IN_REGISTERS and x.element_size() == 2
-        wrap_triton(cast_both_layouts)[grid](x, prev_scale, use_prev, first_amax, scale, y, yt, tiles, m, n,
+        wrap_triton(cast_both_layouts)[grid](x, prev_scale, use_prev, first_amax, scale, inv, y, yt, tiles, m, n,
                                              FP8_LIMIT=FP8_MAX[dtype], INV_MARGIN=2.0**-margin, MAX_SCALE=SCALE_MAX,
                                              BM=bm, BN=bn, TRANSPOSE_IN_REGISTERS=in_registers, num_warps=warps)
-        return y, yt, scale, tiles.amax()
+        # dynamic: the amax pass's result is t's amax (never NaN: inf instead); no reduction launch
+        return y, yt, scale, first_amax if dynamic else tiles.amax(), inv
 
     return op

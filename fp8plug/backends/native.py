@@ -55,8 +55,10 @@ STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded
 # --- the FP8 linear ------------------------------------------------------------------------------------
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
-    return scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype, use_fast_accum=fast_accum)
+def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum):
+    """a @ b from FP8 operands and their inverse scales (what _cast returns: the factor back to
+    real values, which is what the GEMM takes)."""
+    return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=fast_accum)
 
 
 @dataclass(frozen=True)
@@ -87,15 +89,15 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config: GemmConfig):
-        x_fp8, x_t, x_scale = x_cast
-        w_fp8, w_t, w_scale = w_cast
+        x_fp8, x_t, x_inv = x_cast
+        w_fp8, w_t, w_inv = w_cast
         override = config.override
         if override[0]:
             out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
         else:
-            out = _scaled_mm(x_fp8, w_fp8.t(), x_scale, w_scale, config.out_dtype, True)
+            out = _scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, config.out_dtype, True)
         high = (x, weight) if override[1] or override[2] else ()
-        ctx.save_for_backward(x_t, w_t, x_scale, w_scale, grad_scale, *high)
+        ctx.save_for_backward(x_t, w_t, x_inv, w_inv, grad_scale, *high)
         ctx.grad_record = grad_record
         ctx.config = config
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -105,11 +107,11 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         config: GemmConfig = ctx.config
         out_dtype, override = config.out_dtype, config.override
-        x_t, w_t, x_scale, w_scale, grad_scale, *high = ctx.saved_tensors
+        x_t, w_t, x_inv, w_inv, grad_scale, *high = ctx.saved_tensors
         # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
         # the current amax's
         delayed = config.grad_mode == "delayed"
-        g_fp8, g_t, g_scale, g_amax = _cast(grad_out, config.bwd_dtype, delayed, grad_scale,
+        g_fp8, g_t, g_inv, g_amax = _cast(grad_out, config.bwd_dtype, delayed, grad_scale,
                                              grad_scale > 0 if delayed else None, config.margin,
                                              transposed=ctx.needs_input_grad[1])
         if ctx.grad_record is not None:
@@ -120,30 +122,36 @@ class _FP8Linear(torch.autograd.Function):
         elif override[1]:
             grad_x = grad_out.to(out_dtype) @ high[1].to(out_dtype)
         else:
-            grad_x = _scaled_mm(g_fp8, w_t.t(), g_scale, w_scale, out_dtype, False)
+            grad_x = _scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, out_dtype, False)
         if not ctx.needs_input_grad[1]:
             grad_w = None
         elif override[2]:
             grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
         else:  # written in the weight's own dtype (fp32 master weights): no extra cast pass over it
             wgrad_dtype = w_dtype if w_dtype in (torch.float32, torch.bfloat16, torch.float16) else out_dtype
-            grad_w = _scaled_mm(g_t, x_t.t(), g_scale, x_scale, wgrad_dtype, False)
+            grad_w = _scaled_mm(g_t, x_t.t(), g_inv, x_inv, wgrad_dtype, False)
         grad_x = None if grad_x is None else grad_x.to(x_dtype)
         grad_w = None if grad_w is None else grad_w.to(w_dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 
 def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
-    """(t in FP8, its transpose in FP8 and contiguous (None unless `transposed`), the scale used,
-    max |t|).
+    """(t in FP8, its transpose in FP8 and contiguous (None unless `transposed`), the inverse of
+    the scale used (the factor back to real values, as the GEMM takes it), max |t|).
 
     Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
-    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A delayed
-    slot of a CUDA tensor in eager execution is cast in one pass (backends._fused_cast);
-    everything else with torch ops, which torch.compile fuses with the ops around them."""
+    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A CUDA
+    tensor in eager execution is cast by backends._fused_cast (one pass for a delayed slot, two
+    for a dynamic one, four launches either way); everything else with torch ops, which
+    torch.compile fuses with the ops around them."""
     t = t.detach()
-    if delayed and fused_cast.usable(t):
-        return fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
+    if fused_cast.usable(t):
+        if delayed:
+            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
+        else:
+            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose_dynamic(t, dtype)
+        # the kernel writes both layouts; one nobody needs is not kept (it would be saved for backward)
+        return t_fp8, t_t if transposed else None, inv, amax
     amax = amax_of(t)
     if delayed:
         scale = delayed_scale(prev_scale, use_prev, amax, FP8_MAX[dtype], margin)
@@ -153,7 +161,7 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
     # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
     # contiguous. Transposing right after the cast lets the compiler write both layouts from one
     # read of the high-precision tensor.
-    return t_fp8, t_fp8.t().contiguous() if transposed else None, scale, amax
+    return t_fp8, t_fp8.t().contiguous() if transposed else None, scale.reciprocal(), amax
 
 
 class NativeFP8Linear(nn.Linear):
@@ -202,7 +210,7 @@ class NativeFP8Linear(nn.Linear):
         self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
         if self.delayed:
             track_for_sync(self, _direct_layers_engine())  # a layer built directly is synced like a converted model
-            fused_cast.load()  # the one-pass cast of delayed slots, built here: never inside torch.compile
+        fused_cast.load()  # the eager CUDA cast, built here: never inside torch.compile
 
     def _fresh_fp8_state(self, length: int, device) -> None:
         """(Re)make the scaling buffers as a new layer has them: no history, scale 1, no update

@@ -45,18 +45,33 @@ def test_fused_cast_gives_the_torch_bytes(shape, dtype, use_prev, source):
     assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
     assert got[1].shape == (shape[1], shape[0]) and got[1].is_contiguous()
     assert torch.equal(got[2].float(), want[2].float()) and torch.equal(got[3], want[3])
+    assert torch.equal(got[4], want[2].float().reciprocal())  # the inverse, bit for bit torch's
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_dynamic_fused_cast_gives_the_torch_bytes(dtype, source):
+    """Dynamic scaling's cast: the scale from the tensor's own amax, no margin, as the torch path."""
+    fused_cast.load()
+    torch.manual_seed(0)
+    t = (torch.randn(2048, 14336, device="cuda") * 3).to(source)
+    got = fused_cast.cast_transpose_dynamic(t, dtype)
+    want = reference(t, None, False, dtype, 0)
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+    assert torch.equal(got[2].float(), want[2].float()) and torch.equal(got[3], want[3])
+    assert torch.equal(got[4], want[2].float().reciprocal())
 
 
 def test_fused_cast_reports_nan_and_saturates():
     fused_cast.load()
     t = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     t[7, 9] = 1e6
-    fp8, _, _, amax = fused_cast.cast_transpose(t, torch.tensor(1.0, device="cuda"),
+    fp8, _, _, amax, _ = fused_cast.cast_transpose(t, torch.tensor(1.0, device="cuda"),
                                                 torch.tensor(True, device="cuda"), E4M3, 0)
     assert amax.item() == pytest.approx(1e6, rel=1e-2)
     assert fp8[7, 9].float().item() == FP8_MAX[E4M3]  # saturated, not NaN
     t[3, 4] = float("nan")
-    _, _, _, amax = fused_cast.cast_transpose(t, torch.tensor(1.0, device="cuda"),
+    _, _, _, amax, _ = fused_cast.cast_transpose(t, torch.tensor(1.0, device="cuda"),
                                               torch.tensor(True, device="cuda"), E4M3, 0)
     assert torch.isnan(amax)
 
@@ -72,12 +87,13 @@ def test_fused_cast_compiles_to_the_same_bytes():
         assert all(same_bytes(a, b) if a.dtype == E4M3 else torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
-def test_delayed_layer_on_the_fused_path_matches_the_torch_path(monkeypatch):
-    """Three steps of a delayed NativeFP8Linear (the first one's fallback included): outputs,
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_layer_on_the_fused_path_matches_the_torch_path(monkeypatch, scaling):
+    """Three steps of a NativeFP8Linear (delayed: the first one's fallback included): outputs,
     gradients and the scaling state equal to the torch-op path's."""
     torch.manual_seed(0)
     base = nn.Linear(1024, 2048, bias=False, device="cuda")
-    options = dict(scaling="delayed", fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,
+    options = dict(scaling=scaling, fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,
                    amax_compute_algo="most_recent", override_linear_precision=(False, False, False))
     fused = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
     plain = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
