@@ -112,14 +112,31 @@ class Selection:
         with_scaling = f" with {speed.scaling} scaling" if speed.scaling else ""
         if self.mode == "any":
             figures = ", ".join(f"{self.backend.measured[m].speedup:.2f}x {m}" for m in MODES)
-            return (f"{self.name}{with_scaling}, measured fastest however the model is held, eager or "
+            line = (f"{self.name}{with_scaling}, measured fastest however the model is held, eager or "
                     f"compiled before or after prepare ({figures}, against bf16 compiled; {MEASURED_ON})")
+            return line + self._costs_eager()
         line = (f"{self.name}{with_scaling}, measured fastest for {_A[self.mode]} model "
                 f"({speed.speedup:.2f}x bf16 compiled; {MEASURED_ON})")
         if self.mode == "eager" and speed.speedup < BF16_EAGER_SPEEDUP:
             line += (f"; slower than plain bf16 eager ({BF16_EAGER_SPEEDUP:.2f}x) all the same: compile the model "
                      "(Accelerator(dynamo_backend='inductor')) or install TransformerEngine for FP8's speed")
         return line
+
+    def _costs_eager(self) -> str:
+        """Where the choice for either mode is slower eagerly than an engine that was not chosen,
+        by more than 2%: what that costs, and the fix for a model that will never be compiled."""
+        usable = [n for n, v in self.verdicts.items() if v.usable or not v.checked]
+        rivals = [(_engine(n).measured["eager"].speedup, n) for n in usable
+                  if n != self.name and "eager" in _engine(n).measured]
+        if not rivals:
+            return ""
+        best, name = max(rivals)
+        mine = self.backend.measured["eager"].speedup
+        if mine >= best * 0.98:
+            return ""
+        return (f"; run eagerly (never compiled) it is {1 - mine / best:.0%} slower than {name} "
+                f"({mine:.2f}x against {best:.2f}x): compile the model, or, for a model that stays "
+                f"eager, pass backend='{name}' where it is installed")
 
     def explain(self) -> str:
         lines = [f"device: {self.device.describe()}"]

@@ -162,3 +162,27 @@ def test_launch_with_the_one_gpu_example_config(tmp_path):
     losses = result["losses"]
     assert all(x == x for x in losses) and sum(losses[-5:]) / 5 < losses[0]
     assert result["weights"]["keys"] == 22  # plain keys: no TransformerEngine _extra_state
+
+
+@pytest.mark.parametrize("held", ["eager", "compiled after prepare", "compiled before prepare", "dynamo_backend"])
+def test_the_default_is_one_engine_however_the_model_is_held(held, bf16_final):
+    """Issue 27: with no backend given, the engine does not depend on how the user will compile
+    (the Accelerator cannot see a torch.compile(model) after prepare coming), and each way trains
+    in FP8 to within 5% of bf16."""
+    fresh()
+    acc = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(auto_filter=False)],
+                              dynamo_backend="inductor" if held == "dynamo_backend" else "no")  # tiny layers kept
+    assert acc.fp8_selection.mode == ("compiled" if held == "dynamo_backend" else "any")
+    assert acc.fp8_engine.name == "native" and acc.fp8_recipe.scaling == "dynamic", acc.fp8_selection.explain()
+    model = base_model()
+    if held == "compiled before prepare":
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    if held == "compiled after prepare":
+        model = torch.compile(model)
+    losses = train(model, optimizer, data(), STEPS, accelerator=acc)
+    coverage = fp8plug.fp8_coverage(model)
+    assert coverage["fp8_gemms"] > 0 and coverage["high_precision_gemms"] == 0, coverage
+    gap = abs(tail_mean(losses) - bf16_final) / bf16_final
+    assert gap <= MAX_GAP, (held, tail_mean(losses), bf16_final)
