@@ -179,14 +179,18 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                     "only (keep using the one that prepared it, or build the model again)."
                 )
         for i in new_models:
-            check_convertible(args[i], f"prepare(): argument {i}: ")
+            check_convertible(_compiled_inner(args[i]) or args[i], f"prepare(): argument {i}: ")
         deepspeed = ds.is_deepspeed(self)
         if deepspeed:
             ds.check_models(self, [args[i] for i in new_models])
         optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
         optimizers += [getattr(opt, "optimizer", opt) for opt in prepared_optimizers(self)]
         for i in new_models:
-            args[i] = self._convert(args[i], optimizers, placements[i])
+            inner = _compiled_inner(args[i])
+            if inner is not None:  # compiled before prepare: convert the model inside, keep the wrapper
+                self._convert(inner, optimizers, placements[i])
+            else:
+                args[i] = self._convert(args[i], optimizers, placements[i])
         for i, obj in enumerate(args):  # opt-in low-precision optimizer states (recipe.optimizer_states)
             if isinstance(obj, torch.optim.Optimizer):
                 args[i] = convert_optimizer(obj, self.fp8_recipe)
@@ -395,3 +399,12 @@ def _rebind_optimizers(optimizers, before: dict, after: dict, model_name: str) -
 
 
 __all__ = ["Accelerator", "FP8EngineName", "requested_precision"]
+
+
+def _compiled_inner(model: nn.Module) -> Optional[nn.Module]:
+    """The model inside torch.compile's wrapper (a model compiled before prepare), or None. The
+    wrapper traces lazily, at its first call, so converting the model inside it in place is
+    converting before compiling; a wrapper that already ran recompiles once for the new modules."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return None

@@ -187,12 +187,22 @@ def test_rebind_moves_optimizer_state_and_refuses_removed_parameters():
         _rebind_optimizers([optimizer], {"b": kept}, {}, "Net")
 
 
-def test_compiled_model_is_refused_before_conversion():
+def test_a_model_compiled_before_prepare_is_converted_inside_its_wrapper():
+    """Issue 27: torch.compile(model) before prepare is one of the ways users hold a model. The
+    wrapper traces at its first call, so the model inside is converted in place and the wrapper
+    kept; training then runs every Linear in FP8 (the 'eager' backend: dynamo's tracing, no
+    inductor build on the CPU)."""
     acc = make()
     model, optimizer = model_and_optimizer()
-    with pytest.raises(ConversionError, match="already compiled"):
-        acc.prepare(torch.compile(model), optimizer)
-    assert not any(isinstance(m, NativeFP8Linear) for m in model.modules())
+    compiled = torch.compile(model, backend="eager")
+    prepared, optimizer = acc.prepare(compiled, optimizer)
+    assert prepared is compiled and acc.fp8_models == [model]
+    converted = sum(isinstance(m, NativeFP8Linear) for m in model.modules())
+    assert converted > 0 and converted == len(acc.fp8_reports[0].converted)
+    train(prepared, optimizer, batches(3), accelerator=acc)
+    coverage = fp8plug.fp8_coverage(prepared)
+    assert coverage["fp8_gemms"] == 3 * converted and coverage["high_precision_gemms"] == 0
+
 
 
 def test_sharded_or_ddp_wrapped_model_is_refused(tmp_path):
