@@ -1,4 +1,4 @@
-"""Liger kernels and FP8 conversion on the CPU (fp8plug.liger, convert.plan_conversion).
+"""Liger kernels and FP8 conversion on the CPU (fp8plug.fused_heads, convert.plan_conversion).
 
 Checked without liger-kernel (CI has no triton, so it cannot import it): a model whose forward is
 a function of the `liger_kernel` package, bound on the instance or on the class, or under a
@@ -12,6 +12,9 @@ LigerSwiGLUMLP converted; and, with Liger's two triton kernels the CPU cannot ru
 the fused loss's cross-entropy) swapped for torch equivalents, Liger's own forwards train a step:
 lm_head's forward never runs in training (its weight is read directly), the MLP's Linears run as
 modules in FP8 (counted), and the loss is the same one a plain forward computes.
+
+And TRL's fused LM head (trl's add_fused_lm_head, which its trainers add), the same direct reading
+of lm_head.weight without Liger: lm_head reported, never called in a fused_lm_head=True step.
 """
 
 import functools
@@ -24,7 +27,7 @@ from torch import nn
 
 import fp8plug
 from fp8plug.convert import ADAPTER, LIGER
-from fp8plug.liger import liger_forward, liger_fused_heads
+from fp8plug.fused_heads import liger_forward, liger_fused_heads
 from tests._hf import tiny_llama
 
 RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
@@ -91,7 +94,7 @@ def test_a_liger_forward_on_the_class_or_under_a_wrapper_is_found():
     wrapper.__module__ = "somewhere.else"
     other = tiny_llama()
     other.forward = types.MethodType(wrapper, other)
-    assert liger_forward(other) == f"{LIGER_MODULE}.lookalike_forward"
+    assert liger_forward(other) == "lookalike_forward"
     assert list(liger_fused_heads(other)) == ["lm_head"]
 
 
@@ -194,3 +197,30 @@ def test_real_liger_forwards_read_lm_head_weight_and_call_the_mlp_linears(liger,
         logits = model(input_ids=ids).logits
     plain = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     assert liger_loss.item() == pytest.approx(plain.item(), rel=2e-2)
+
+
+# --- TRL's fused LM head: the same reading of lm_head.weight, without Liger --------------------------
+
+
+def test_trl_fused_lm_head_is_reported_and_never_calls_lm_head():
+    """TRL's trainers (SFT, DPO, GRPO, KTO, RLOO) add `add_fused_lm_head` and call the model with
+    fused_lm_head=True: the head's weight goes to TRL's chunked log-prob op, never through lm_head."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this trl has no fused LM head")
+    from fp8plug.convert import TRL_FUSED
+
+    model = tiny_llama()
+    names = linears(model)
+    trl_utils.add_fused_lm_head(model)
+    report = convert(model)
+    assert report.kinds["lm_head"] == TRL_FUSED
+    assert "read directly by TRL's fused LM head" in report.skipped["lm_head"]
+    assert sorted(report.fp8_linears) == sorted(n for n in names if n != "lm_head")
+    calls = []
+    model.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids, fused_lm_head=True).loss
+    loss.backward()
+    assert torch.isfinite(loss) and not calls and model.lm_head.weight.grad is not None
+    assert fp8plug.fp8_coverage(model)["high_precision_gemms"] == 0
