@@ -9,6 +9,9 @@
 # llama-a, llama-b, llama-c (benchmarks/hf_llama.py, the Hugging Face Llama table of issue 15, in
 # three parts of under 9 minutes each; `llama` runs all three and merges them, about 25 minutes).
 # odd (the cost of padding odd token counts to FP8's alignment, ao and te).
+# liger-tests (tests/gpu/test_liger.py), liger (the Llama table's bf16 + Liger against fp8plug +
+# Liger, under 9 minutes); with LIGER_WHEEL=path/to/liger_kernel-*.whl both install that wheel into
+# a private folder first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -19,7 +22,13 @@ LLAMA_B=fp8plug-native-compiled,bf16-eager,accelerate-te-eager,fp8plug-eager,fp8
 LLAMA_C=fp8plug-compiled,fp8plug-te-compiled,accelerate-te-compiled
 llama() {  # llama PART ROWS: one part of the table, JSON and log in $OUT, the table on stdout
   python3 benchmarks/hf_llama.py --rows "$2" --deadline 520 --timeout 300 --json "$OUT/hf_llama_$1.json" \
-    2>"$OUT/hf_llama_$1.log"
+    "${@:3}" 2>"$OUT/hf_llama_$1.log"
+}
+liger_site() {  # liger-kernel from its carried wheel (the GPU machine has no package index)
+  if [ -n "${LIGER_WHEEL:-}" ] && [ -z "${LIGER_SITE:-}" ]; then
+    LIGER_SITE=$(mktemp -d) && python3 -m pip install -q --no-deps --no-index --target "$LIGER_SITE" "$LIGER_WHEEL" \
+      && export PYTHONPATH="$LIGER_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 }
 for stage in "$@"; do
   echo "=== $stage"
@@ -48,6 +57,10 @@ for stage in "$@"; do
     llama-c) llama c "$LLAMA_C" ;;
     llama) llama a "$LLAMA_A" >/dev/null; llama b "$LLAMA_B" >/dev/null; llama c "$LLAMA_C" >/dev/null
            python3 benchmarks/hf_llama.py --table "$OUT"/hf_llama_{a,b,c}.json --json "$OUT/hf_llama.json" ;;
+    liger-tests) liger_site
+           FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_liger.py -q -s -p no:cacheprovider -rs 2>&1 \
+             | tee "$OUT/liger_tests.log" | tail -5 ;;
+    liger) liger_site; llama liger bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger ;;
     odd) python3 benchmarks/odd_tokens.py --json "$OUT/odd_tokens.json" 2>&1 | grep '^|\|^#' ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -30,9 +30,17 @@ also holds the loss curve, the engine, how many modules run in FP8, how many dyn
 compiled (more than one: a recompilation) and `params_not_stepped`, the trainable parameters no
 optimizer holds (a path that leaves weights untrained is not faster for a good reason).
 
+`--lora R` makes every row a PEFT LoRA fine-tune; `--liger` applies liger-kernel's
+`apply_liger_kernel_to_llama()` (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy: its defaults)
+before each row builds its model, so `--rows bf16-compiled,fp8plug-compiled --liger` is bf16 + Liger
+against fp8plug + Liger (lm_head then stays in high precision in every row: Liger's loss reads its
+weight directly, docs/liger.md). The JSON's spec records both, and fp8plug rows record which Linear
+layers stayed in high precision and why (`high_precision_linears`).
+
     python3 benchmarks/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
     python3 benchmarks/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
+    python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
     python3 benchmarks/hf_llama.py --table a.json b.json                  # merge runs into one table
 """
 
@@ -149,6 +157,10 @@ def build_model(spec: dict, device):
         num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
         tie_word_embeddings=False, use_cache=False,
     )
+    if spec.get("liger"):  # patches transformers' Llama classes (this row's process only)
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -186,6 +198,18 @@ def unavailable(row: str, device) -> str:
         select_backend(None, device, compiled=True if row.endswith("-compiled") else None)
     except BackendUnavailableError as exc:
         return str(exc).splitlines()[0]
+    return ""
+
+
+def liger_unavailable(device) -> str:
+    """Why a --liger row cannot run here ('' if it can): liger-kernel missing, or no GPU (its
+    kernels are triton's)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "--liger: liger-kernel is not installed"
+    if device.type != "cuda":
+        return "--liger: Liger's kernels need a CUDA GPU (triton)"
     return ""
 
 
@@ -238,7 +262,8 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
         device = torch.device(device_name if device_name != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        why = unavailable(row, device)
+        why = liger_unavailable(device) if spec.get("liger") else ""
+        why = why or unavailable(row, device)
         if why:
             result["error"] = f"unavailable: {why}"
             return result
@@ -265,6 +290,8 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
                fp8_modules=count_fp8_modules(model), params_not_stepped=not_stepped)
     if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
         raise RuntimeError("no module was converted to FP8")
+    for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
+        out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
     marks, losses = [], []
 
     def mark():  # the end of a step: a CUDA event on the GPU (no sync), the clock on the CPU
@@ -383,7 +410,9 @@ def table(meta: dict, rows: list) -> str:
         f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
         f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
         f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}"
-        + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else ""),
+        + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else "")
+        + ("; Liger kernels (apply_liger_kernel_to_llama defaults: RoPE, RMSNorm, SwiGLU, fused linear "
+           "cross-entropy)" if s.get("liger") else ""),
         f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
@@ -406,7 +435,7 @@ def versions() -> dict:
     import platform
 
     out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine", "peft"):
+    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine", "peft", "liger-kernel"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -450,6 +479,9 @@ def parse_args(argv=None):
                    help="on a GPU, profile N more steps after the timed ones (kernel groups and top kernels in the JSON)")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="fine-tune a PEFT LoRA of rank R on every projection (base frozen) instead of the whole model")
+    p.add_argument("--liger", type=int, nargs="?", const=1, default=0, metavar="0|1",
+                   help="apply liger-kernel's apply_liger_kernel_to_llama() (its defaults) before building the "
+                        "model in every row: bf16 + Liger against fp8plug + Liger (needs liger-kernel and a GPU)")
     p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -459,6 +491,7 @@ def parse_args(argv=None):
         p.error(f"--{bad[0] if bad else 'steps' if args.steps < 2 else 'lora'} must be at least "
                 f"{1 if bad else 2 if args.steps < 2 else 0}")
     args.spec["lora"] = args.lora
+    args.spec["liger"] = int(bool(args.liger))
     if args.lr is None:
         args.lr = 3e-3 if args.preset == "toy" else 3e-4
     if args.warmup is None:

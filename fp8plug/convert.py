@@ -15,6 +15,11 @@ A module registered under several names (`m.a = m.b = linear`) is one module: it
 under its first name, and its replacement is put under every name (`module_paths`,
 `replace_module`), so no name keeps running the old module in high precision.
 
+An output head whose weight a fused loss reads directly (Liger's fused linear cross-entropy after
+`apply_liger_kernel_to_<model>`, TRL's fused LM head in its trainers) is reported, never converted,
+for the same reason as attention's projections: its forward never runs in training
+(fp8plug.fused_heads finds it).
+
 Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.gemm_counts), so what ran in
 FP8 can be read back while training; conversion knows nothing of logging or the engine registry.
 """
@@ -28,6 +33,7 @@ from torch import nn
 
 from .ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
 from .gemm_counts import count_gemms, has_gemm_counter
+from .fused_heads import LIGER_KIND, TRL_KIND, fused_heads
 
 ALIGNMENT = 16
 
@@ -40,6 +46,8 @@ SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
 ADAPTER = "LoRA adapters (PEFT lora_A / lora_B)"
 ADAPTER_NOTE = ("LoRA adapter: trains in high precision (one rank wide, too small to gain from FP8); "
                 "its frozen base_layer runs in FP8")
+LIGER = LIGER_KIND
+TRL_FUSED = TRL_KIND
 MHA_OUT = "output projections of nn.MultiheadAttention"
 MHA_QKV = "Q/K/V projections of nn.MultiheadAttention"
 MHA_NOTE = (
@@ -230,6 +238,7 @@ def plan_conversion(
     targets: List[Tuple[str, nn.Module]] = []
     attention = _attention_modules(model) if nn.Linear in eligible else {}
     adapters = _adapter_modules(model)
+    fused = fused_heads(model) if nn.Linear in eligible else {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) or has_gemm_counter(module):
             report.linears.append(fqn)
@@ -244,6 +253,9 @@ def plan_conversion(
             )
         if fqn in adapters:
             report.skip(fqn, ADAPTER_NOTE, ADAPTER)
+            continue
+        if fqn in fused:  # fp8plug.fused_heads: an FP8 module there would never run
+            report.skip(fqn, fused[fqn][1], fused[fqn][0])
             continue
         if fqn in attention:
             report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)

@@ -41,7 +41,7 @@ def toy_run(tmp_path_factory):
 def test_meta_says_what_ran_where(toy_run):
     data, rows, _ = toy_run
     meta = data["meta"]
-    assert meta["spec"] == dict(hf_llama.PRESETS["toy"], lora=0)
+    assert meta["spec"] == dict(hf_llama.PRESETS["toy"], lora=0, liger=0)
     assert meta["steps"] == STEPS and meta["warmup"] == 1 and meta["device"] == "CPU"
     assert {"torch", "transformers", "accelerate"} <= set(meta["versions"])
     assert meta["reference"] == "bf16-eager"
@@ -120,6 +120,17 @@ def test_rows_option_names_the_bad_row():
         hf_llama.parse_rows("bf16-eager,fp8plug-fast")
     with pytest.raises(SystemExit):
         hf_llama.parse_args(["--steps", "1"])
+
+
+def test_liger_option_is_recorded_and_a_row_that_cannot_run_it_says_why():
+    args = hf_llama.parse_args(["--preset", "toy", "--liger", "--rows", "bf16-eager"])
+    assert args.spec["liger"] == 1 and args.rows == "bf16-eager"
+    assert hf_llama.parse_args(["--liger", "0"]).spec["liger"] == 0  # how the parent passes it to a row
+    assert hf_llama.parse_args([]).spec["liger"] == 0
+    r = hf_llama.run_row("fp8plug-native-eager", args.spec, 4, 1, 3e-3, "cpu", 0.0)
+    assert r["error"].startswith("unavailable: --liger: ") and r["tokens_per_s"] is None  # no GPU (or no liger)
+    meta = dict(spec=args.spec, steps=4, warmup=1, versions={}, device="CPU")
+    assert "; Liger kernels (apply_liger_kernel_to_llama defaults" in hf_llama.table(meta, [r])
 
 
 def test_merged_runs_keep_the_rows_that_have_numbers(tmp_path, capsys):

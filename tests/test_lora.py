@@ -181,6 +181,6 @@ def test_trl_sft_lora_example(tmp_path, capsys):
     fresh()
     assert sft_lora_fp8.main(["--steps", "4", "--output-dir", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out.rsplit("result: ", 1)[1])
-    assert result["engine"] == "native" and result["frozen_fp8_layers"] == 15 and result["trained_tensors"] == 28
+    assert result["engine"] == "native" and result["frozen_fp8_layers"] == 14 and result["trained_tensors"] == 28
     assert result["plain_modules"] and result["fp8_weights"] == 14 and result["fp8_checkpoint_sqnr_db"] >= 25
     assert (tmp_path / "merged" / "config.json").exists() and (tmp_path / "merged-fp8" / "model.safetensors").exists()
