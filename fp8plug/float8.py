@@ -25,7 +25,9 @@ autocast (`fp8plug.get_backend("ao").autocast(recipe, enabled=True)`) to evaluat
 Renamed: `ScalingType`, `CastConfig` and `Float8LinearConfig` were fp8plug classes that shadowed
 torchao's own names; they are `Float8ScalingType`, `Float8CastConfig` and `Float8TrainingConfig`.
 The old names still import from here, with a DeprecationWarning (torchao's README code relies on
-them), and will be removed.
+them), and will be removed. The functions `convert_to_float8_training` and
+`precompute_float8_dynamic_scale_for_fsdp` keep torchao's names on purpose: they take torchao's
+arguments, so code written for torchao.float8 runs with its import changed.
 """
 
 from __future__ import annotations
