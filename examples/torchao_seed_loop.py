@@ -5,6 +5,10 @@ Code written for torchao's `torchao.float8` entry points runs with one import ch
     from torchao.float8 import convert_to_float8_training          # before
     from fp8plug.float8 import convert_to_float8_training          # after
 
+The config classes are fp8plug's own, named so as not to pass for torchao's: `Float8TrainingConfig`,
+`Float8CastConfig`, `Float8ScalingType` (the README's `Float8LinearConfig`, `CastConfig`,
+`ScalingType` still import from fp8plug.float8, with a DeprecationWarning).
+
 Dynamic scaling (every tensor scaled from its own amax) runs on torchao's Float8Linear (the `ao`
 engine). Delayed scaling (scales from a history of past amaxes), which torchao removed in 0.10,
 runs on fp8plug's `native` engine; `sync_float8_amax_and_scale_history` is kept so the loop
@@ -23,9 +27,9 @@ import torch
 from torch import nn
 
 from fp8plug.float8 import (
-    CastConfig,
-    Float8LinearConfig,
-    ScalingType,
+    Float8CastConfig,
+    Float8ScalingType,
+    Float8TrainingConfig,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
@@ -94,12 +98,12 @@ def delayed_loop(args, device) -> dict:
     """The seed's second example: delayed scaling for input, weight and grad_output (native)."""
     m = Model(args.dim).to(device)
     target = make_target(args.dim, device)
-    config = Float8LinearConfig(
+    config = Float8TrainingConfig(
         enable_amax_init=False,  # torchao workarounds for autocast + compile + FSDP; accepted, not needed
         enable_pre_and_post_forward=False,
-        cast_config_input=CastConfig(scaling_type=ScalingType.DELAYED),
-        cast_config_weight=CastConfig(scaling_type=ScalingType.DELAYED),
-        cast_config_grad_output=CastConfig(scaling_type=ScalingType.DELAYED),
+        cast_config_input=Float8CastConfig(scaling_type=Float8ScalingType.DELAYED),
+        cast_config_weight=Float8CastConfig(scaling_type=Float8ScalingType.DELAYED),
+        cast_config_grad_output=Float8CastConfig(scaling_type=Float8ScalingType.DELAYED),
     )
     convert_to_float8_training(m, config=config, module_filter_fn=module_filter_fn)
     model = m

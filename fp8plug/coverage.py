@@ -46,6 +46,8 @@ def describe_engine(engine, recipe=None) -> str:
             scaling = engine.scaling_name(recipe)
         except (ValueError, IndexError):
             scaling = None
+    if isinstance(scaling, tuple):  # a mode per tensor (input, weight, grad_output)
+        scaling = "/".join(scaling)
     if scaling:
         details.append(f"{scaling} scaling")
     return f"{engine.name} ({', '.join(details)})"

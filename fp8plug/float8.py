@@ -4,44 +4,65 @@ OLMo-core's shape: `Float8Config(ao=..., ao_recipe=..., ao_mx=..., modules_to_ig
 and `Float8Config.apply_float8_linear(model, modules_to_ignore=...)`, served by the `ao` engine
 (torchao Float8Linear, or torchao's MXFP8 training for `ao_mx`).
 
-torchao's seed shape: `convert_to_float8_training(model, module_filter_fn=..., config=...)` with a
-`Float8LinearConfig` of per-tensor `CastConfig(scaling_type=ScalingType.DYNAMIC | DELAYED)`, plus
-`sync_float8_amax_and_scale_history` and `precompute_float8_dynamic_scale_for_fsdp`. All-dynamic
-configs run on torchao (the `ao` engine); torchao removed delayed scaling in 0.10, so a config
-with any DELAYED tensor runs on fp8plug's native engine, which keeps TransformerEngine-style amax
-histories per tensor.
+torchao's seed shape (its float8 README before 0.10): `convert_to_float8_training(model,
+module_filter_fn=..., config=...)` with a `Float8TrainingConfig` of per-tensor
+`Float8CastConfig(scaling_type=Float8ScalingType.DYNAMIC | DELAYED)` (fp8plug.float8_training),
+plus `sync_float8_amax_and_scale_history` and `precompute_float8_dynamic_scale_for_fsdp`.
+All-dynamic configs run on torchao (the `ao` engine); torchao removed delayed scaling in 0.10, so
+a config with any DELAYED tensor runs on fp8plug's native engine, which keeps
+TransformerEngine-style amax histories per tensor.
 
-Both convert in place under fp8plug's shared rules (fp8plug.convert): exact nn.Linear only, in
-and out features divisible by 16, an already compiled or sharded model refused. Converted layers
-run FP8 in training mode and high precision in eval mode, as with every fp8plug engine; use the
-engine's autocast (`fp8plug.get_backend("ao").autocast(recipe, enabled=True)`) to evaluate in FP8.
+One conversion path: each entry point only translates its config into an FP8RecipeKwargs
+(`Float8Config.to_recipe`, `Float8TrainingConfig.to_recipe`, or `ao_config=` for a whole torchao
+config) and hands it to fp8plug.convert_model, so it is checked against the engine, given the
+speed filter where the recipe asks for it (`auto_filter`, e.g. FP8PLUG_AUTO_FILTER=true),
+converted under fp8plug's shared rules (fp8plug.convert: exact nn.Linear only, in and out
+features divisible by 16, an already compiled or sharded model refused) and logged in one line,
+exactly as a recipe given to convert_model or fp8plug.Accelerator. Converted layers run FP8 in
+training mode and high precision in eval mode, as with every fp8plug engine; use the engine's
+autocast (`fp8plug.get_backend("ao").autocast(recipe, enabled=True)`) to evaluate in FP8.
+
+Renamed: `ScalingType`, `CastConfig` and `Float8LinearConfig` were fp8plug classes that shadowed
+torchao's own names; they are `Float8ScalingType`, `Float8CastConfig` and `Float8TrainingConfig`.
+The old names still import from here, with a DeprecationWarning (torchao's README code relies on
+them), and will be removed. The functions `convert_to_float8_training` and
+`precompute_float8_dynamic_scale_for_fsdp` keep torchao's names on purpose: they take torchao's
+arguments, so code written for torchao.float8 runs with its import changed.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .api import sync_fp8_scaling
+from .api import convert_model, sync_fp8_scaling
 from .backends import get_backend
-from .convert import ConversionError, ConversionReport
-from .coverage import describe_engine, log_conversion
+from .convert import ConversionError
+from .float8_training import (
+    DelayedScalingConfig,
+    Float8CastConfig,
+    Float8ScalingType,
+    Float8TrainingConfig,
+    is_torchao_float8_config,
+    torchao_recipe,
+)
+from .recipe import FP8RecipeKwargs
 from .steps import end_step
 
 __all__ = [
     "AOFloat8LinearConfig",
     "AOFloat8LinearRecipe",
     "AOMXLinearConfig",
-    "CastConfig",
     "DelayedScalingConfig",
+    "Float8CastConfig",
     "Float8Config",
-    "Float8LinearConfig",
-    "ScalingType",
+    "Float8ScalingType",
+    "Float8TrainingConfig",
     "convert_to_float8_training",
     "precompute_float8_dynamic_scale_for_fsdp",
     "sync_float8_amax_and_scale_history",
@@ -199,7 +220,7 @@ class Float8Config:
             except ValueError:
                 allowed = ", ".join(r.value for r in AOFloat8LinearRecipe)
                 raise ValueError(f"Float8Config.ao_recipe: {self.ao_recipe!r} is not a torchao recipe; use one of {allowed}.") from None
-        if self.ao is not None and not isinstance(self.ao, AOFloat8LinearConfig) and not _is_torchao_config(self.ao):
+        if self.ao is not None and not isinstance(self.ao, AOFloat8LinearConfig) and not is_torchao_float8_config(self.ao):
             raise ValueError(f"Float8Config.ao: expected an AOFloat8LinearConfig (or a torchao Float8LinearConfig), got {type(self.ao).__name__}.")
         if self.ao_mx is not None and not isinstance(self.ao_mx, AOMXLinearConfig):
             raise ValueError(f"Float8Config.ao_mx: expected an AOMXLinearConfig, got {type(self.ao_mx).__name__}.")
@@ -217,7 +238,7 @@ class Float8Config:
 
         if self.ao_recipe is not None:
             return build_float8_config(AOConfig.from_recipe_name(self.ao_recipe.value), emulate=needs_emulation())
-        if _is_torchao_config(self.ao):
+        if is_torchao_float8_config(self.ao):
             return self.ao
         return (self.ao or AOFloat8LinearConfig()).to_ao_type()
 
@@ -229,8 +250,32 @@ class Float8Config:
             return False
         return bool(self.float8_linear_config().enable_fsdp_float8_all_gather)
 
+    def to_recipe(self, *, modules_to_ignore: Optional[Sequence[str]] = None) -> FP8RecipeKwargs:
+        """The FP8RecipeKwargs this config stands for, on the `ao` engine (what apply_float8_linear
+        converts with; `enabled` is apply_float8_linear's to read). `ao_recipe` is the recipe's
+        `scaling`; `ao` and `ao_mx` become a whole torchao config (`ao_config`). Every field the
+        config speaks for is set, so no `ACCELERATE_FP8_*` variable changes it; `auto_filter`
+        resolves as for fp8plug.convert_model. `modules_to_ignore` adds to the config's own.
+        BackendUnavailableError where torchao is not installed."""
+        self.validate()
+        get_backend("ao").require()
+        ignore = tuple(sorted(set(self.modules_to_ignore or ()) | set(_names(modules_to_ignore, "modules_to_ignore") or ())))
+        if self.ao_mx is not None:
+            return torchao_recipe(self.ao_mx.to_ao_type(), modules_to_ignore=ignore)
+        if self.ao_recipe is None:
+            return torchao_recipe(self.float8_linear_config(), modules_to_ignore=ignore)
+        name = self.ao_recipe.value
+        return FP8RecipeKwargs(
+            backend="ao", scaling=name, modules_to_ignore=ignore,
+            # torchao's recipe as it is: tensorwise's own format is HYBRID (the ao engine applies a
+            # format to the rowwise recipes, E4M3 throughout, only when one is set), nothing overridden
+            fp8_format="HYBRID" if name == "tensorwise" else None, override_linear_precision=(False, False, False),
+            pad_inner_dim=False, enable_fsdp_float8_all_gather=False,
+        )
+
     def apply_float8_linear(self, model: nn.Module, *, modules_to_ignore: Optional[Sequence[str]] = None):
-        """Convert `model`'s Linear layers to torchao float8 (or MXFP8) layers, in place.
+        """Convert `model`'s Linear layers to torchao float8 (or MXFP8) layers, in place, through
+        fp8plug.convert_model with `to_recipe`'s recipe.
 
         Call it before torch.compile, activation checkpointing and FSDP/DDP wrapping. Names in
         `modules_to_ignore` (and the config's) must each name a Linear layer of `model` exactly.
@@ -238,23 +283,9 @@ class Float8Config:
         """
         if not self.enabled:
             return None
-        self.validate()
-        ignore = sorted(set(self.modules_to_ignore or ()) | set(_names(modules_to_ignore, "modules_to_ignore") or ()))
-        _check_linear_names(model, ignore)
-        engine = get_backend("ao")
-        engine.require()
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-        config = self.ao_mx.to_ao_type() if self.ao_mx is not None else self.float8_linear_config()
-        report = engine.convert_with_config(model, config, ignore)
-        for name in frozen:
-            model.get_parameter(name).requires_grad_(False)
-        log_conversion(report, describe_engine(engine), type(model).__name__)
-        return report
-
-
-def _is_torchao_config(value) -> bool:
-    cls = type(value)
-    return cls.__name__ == "Float8LinearConfig" and cls.__module__.startswith("torchao.")
+        recipe = self.to_recipe(modules_to_ignore=modules_to_ignore)
+        _check_linear_names(model, recipe.modules_to_ignore)
+        return convert_model(model, recipe=recipe)
 
 
 def _names(value, where: str) -> Optional[List[str]]:
@@ -280,149 +311,6 @@ def _check_linear_names(model: nn.Module, names: Sequence[str]) -> None:
 # --- torchao's seed shape ---------------------------------------------------------------------------
 
 
-class ScalingType(enum.Enum):
-    """How one tensor is scaled to float8: from its own amax (DYNAMIC), from a history of past
-    amaxes (DELAYED, served by fp8plug's native engine), or not cast at all (DISABLED, torchao)."""
-
-    DYNAMIC = "dynamic"
-    DELAYED = "delayed"
-    DISABLED = "disabled"
-
-
-@dataclass(frozen=True)
-class CastConfig:
-    """How to cast one tensor (input, weight or grad_output) to float8."""
-
-    scaling_type: ScalingType = ScalingType.DYNAMIC
-
-    def __post_init__(self):
-        if not isinstance(self.scaling_type, ScalingType):
-            raise ValueError(
-                f"CastConfig.scaling_type: expected ScalingType.DYNAMIC, DELAYED or DISABLED, got {self.scaling_type!r}."
-            )
-
-
-@dataclass(frozen=True)
-class DelayedScalingConfig:
-    """Delayed scaling: how many past amaxes to keep per tensor and how to reduce them ("max",
-    torchao's only choice, or "most_recent")."""
-
-    history_len: int = 16
-    scale_fn_name: str = "max"
-
-    def __post_init__(self):
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(f"DelayedScalingConfig.history_len: use an integer >= 1, not {self.history_len!r}.")
-        if self.scale_fn_name not in ("max", "most_recent"):
-            raise ValueError(f"DelayedScalingConfig.scale_fn_name: use 'max' or 'most_recent', not {self.scale_fn_name!r}.")
-
-
-@dataclass(frozen=True)
-class Float8LinearConfig:
-    """The torchao seed's float8 Linear config: a CastConfig per tensor (E4M3 input and weight,
-    E5M2 grad_output), delayed-scaling settings, and torchao's per-linear switches.
-
-    enable_amax_init / enable_pre_and_post_forward were torchao workarounds for delayed scaling
-    under autocast + compile + FSDP; the native engine initialises each scale from the first amax
-    and updates its history after each optimizer step, so it needs neither: both are accepted and
-    have no effect. emulate and pad_inner_dim apply to dynamic (torchao) configs.
-
-    `recipe_name` names one of torchao's float8 recipes ("tensorwise", "rowwise",
-    "rowwise_with_gw_hp") instead of cast configs: `Float8LinearConfig.from_recipe_name(name)`,
-    as torchao spells it. Rowwise scaling needs torchao itself; tensorwise runs on fp8plug's
-    native engine (dynamic scaling) where torchao is not installed.
-    """
-
-    cast_config_input: CastConfig = field(default_factory=CastConfig)
-    cast_config_weight: CastConfig = field(default_factory=CastConfig)
-    cast_config_grad_output: CastConfig = field(default_factory=CastConfig)
-    enable_amax_init: bool = True
-    enable_pre_and_post_forward: bool = True
-    enable_fsdp_float8_all_gather: bool = False
-    pad_inner_dim: bool = False
-    emulate: bool = False
-    delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
-    recipe_name: Optional[str] = None
-
-    @staticmethod
-    def from_recipe_name(recipe_name) -> "Float8LinearConfig":
-        """The config for one of torchao's float8 recipe names ("tensorwise", "rowwise",
-        "rowwise_with_gw_hp"; a string or a torchao Float8LinearRecipeName), as torchao's
-        Float8LinearConfig.from_recipe_name."""
-        return Float8LinearConfig(recipe_name=recipe_name)
-
-    def __post_init__(self):
-        if self.recipe_name is not None:
-            object.__setattr__(self, "recipe_name", _recipe_name(self.recipe_name))
-            if any(t is not ScalingType.DYNAMIC for t in self.scaling_types):
-                raise ValueError(
-                    f"Float8LinearConfig: recipe_name={self.recipe_name!r} sets every cast itself; leave "
-                    "cast_config_input/weight/grad_output at their defaults, or give cast configs without a recipe_name."
-                )
-        for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"):
-            if not isinstance(getattr(self, name), CastConfig):
-                raise ValueError(f"Float8LinearConfig.{name}: expected a fp8plug.float8.CastConfig, got {getattr(self, name)!r}.")
-        if self.delayed and ScalingType.DISABLED in self.scaling_types:
-            raise ValueError(
-                "Float8LinearConfig: DELAYED and DISABLED cannot be mixed (delayed scaling runs on fp8plug's "
-                "native engine, which casts all three tensors); use DYNAMIC instead of DISABLED."
-            )
-        if self.delayed and self.enable_fsdp_float8_all_gather:
-            raise ValueError(
-                "Float8LinearConfig.enable_fsdp_float8_all_gather: float8 all-gather needs dynamic weight "
-                "scaling (torchao); with DELAYED scaling set it to False."
-            )
-
-    @property
-    def scaling_types(self):
-        """(input, weight, grad_output) scaling types."""
-        return (self.cast_config_input.scaling_type, self.cast_config_weight.scaling_type,
-                self.cast_config_grad_output.scaling_type)
-
-    @property
-    def delayed(self) -> bool:
-        """Whether any tensor uses DELAYED scaling (then the native engine serves the config)."""
-        return ScalingType.DELAYED in self.scaling_types
-
-    def to_torchao(self):
-        """The equivalent torchao Float8LinearConfig (dynamic or disabled tensors only)."""
-        from torchao.float8 import CastConfig as AOCastConfig, Float8LinearConfig as AOConfig, ScalingType as AOType
-
-        if self.delayed:
-            raise ValueError("Float8LinearConfig: torchao has no delayed scaling (removed in 0.10); the native engine serves it.")
-        if self.recipe_name is not None:
-            from .torchao_config import build_float8_config, needs_emulation
-
-            return build_float8_config(
-                AOConfig.from_recipe_name(self.recipe_name), pad_inner_dim=self.pad_inner_dim,
-                emulate=self.emulate or needs_emulation(),
-                enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather or None,
-            )
-        cast = lambda c: AOCastConfig(scaling_type=AOType(c.scaling_type.value))  # noqa: E731
-        try:
-            return AOConfig(
-                cast_config_input=cast(self.cast_config_input), cast_config_weight=cast(self.cast_config_weight),
-                cast_config_grad_output=cast(self.cast_config_grad_output),
-                enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather,
-                pad_inner_dim=self.pad_inner_dim, emulate=self.emulate,
-            )
-        except AssertionError as exc:
-            raise ValueError(
-                f"Float8LinearConfig: torchao rejected it ({exc}); a GEMM's two operands must both be "
-                "cast or both be DISABLED (input and weight for the output, grad_output and weight, "
-                "grad_output and input for the gradients)."
-            ) from None
-
-
-def _recipe_name(value) -> str:
-    """A torchao float8 recipe name from a string or an enum member, checked."""
-    text = str(getattr(value, "value", value)).strip().lower()
-    allowed = [r.value for r in AOFloat8LinearRecipe]
-    if text not in allowed:
-        raise ValueError(f"Float8LinearConfig.recipe_name: {value!r} is not a torchao float8 recipe; use one of {', '.join(allowed)}.")
-    return text
-
-
 def convert_to_float8_training(
     module: nn.Module,
     *,
@@ -431,55 +319,25 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap `module`'s eligible nn.Linear layers for float8 training layers, in place; returns it.
 
-    `config`: a fp8plug.float8.Float8LinearConfig (default: all tensors DYNAMIC) or a torchao
+    `config`: a fp8plug.float8.Float8TrainingConfig (default: all tensors DYNAMIC) or a torchao
     Float8LinearConfig. Dynamic configs run on torchao (the `ao` engine); any DELAYED tensor puts
     every converted layer on fp8plug's native engine (NativeFP8Linear with per-tensor modes).
     `module_filter_fn(module, fqn)` returning False keeps a layer in high precision; layers whose
-    in or out features are not divisible by 16 stay too.
+    in or out features are not divisible by 16 stay too. The config becomes an FP8RecipeKwargs
+    (Float8TrainingConfig.to_recipe) that fp8plug.convert_model converts with.
     """
-    config = Float8LinearConfig() if config is None else config
-    report = _convert_float8(module, config, module_filter_fn)
-    log_conversion(report, describe_engine(get_backend(report.backend)), type(module).__name__)
-    return module
-
-
-def _convert_float8(module: nn.Module, config, module_filter_fn) -> ConversionReport:
-    if _is_torchao_config(config):
-        return get_backend("ao").convert_with_config(module, config, None, module_filter_fn)
-    if not isinstance(config, Float8LinearConfig):
+    config = Float8TrainingConfig() if config is None else config
+    if is_torchao_float8_config(config):
+        recipe = torchao_recipe(config, module_filter_fn)
+    elif isinstance(config, Float8TrainingConfig):
+        recipe = config.to_recipe(module_filter_fn)
+    else:
         raise ValueError(
-            "convert_to_float8_training: config must be a fp8plug.float8.Float8LinearConfig or a torchao "
+            "convert_to_float8_training: config must be a fp8plug.float8.Float8TrainingConfig or a torchao "
             f"Float8LinearConfig, not {type(config).__name__}."
         )
-    if config.delayed:
-        return _convert_delayed(module, config, module_filter_fn)
-    engine = get_backend("ao")
-    if engine.probe().available:
-        return engine.convert_with_config(module, config.to_torchao(), None, module_filter_fn)
-    if (ScalingType.DISABLED in config.scaling_types or config.enable_fsdp_float8_all_gather
-            or config.recipe_name not in (None, "tensorwise")):
-        engine.require()  # those need torchao itself: say how to install it
-    warnings.warn(
-        f"torchao is {engine.probe().reason}: dynamic float8 scaling runs on fp8plug's native engine "
-        f"instead (install torchao with `{engine.install_hint}` for torchao's kernels).", UserWarning, stacklevel=3,
-    )
-    return _convert_native(module, config, module_filter_fn, ("dynamic",) * 3)
-
-
-def _convert_delayed(module, config: Float8LinearConfig, module_filter_fn) -> ConversionReport:
-    modes = tuple(t.value for t in config.scaling_types)
-    return _convert_native(module, config, module_filter_fn, modes)
-
-
-def _convert_native(module, config: Float8LinearConfig, module_filter_fn, modes) -> ConversionReport:
-    """The native engine with a scaling mode per tensor and the config's delayed-scaling settings
-    (everything else at FP8RecipeKwargs' defaults)."""
-    options = dict(
-        scaling=modes[0] if len(set(modes)) == 1 else modes,
-        amax_history_len=config.delayed_scaling_config.history_len,
-        amax_compute_algo=config.delayed_scaling_config.scale_fn_name,
-    )
-    return get_backend("native").convert_with_config(module, options, None, module_filter_fn)
+    convert_model(module, recipe=recipe)
+    return module
 
 
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
@@ -500,3 +358,21 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
     engine = get_backend("ao")
     if engine.probe().available:
         end_step([model], [engine])
+
+
+# --- the old names ----------------------------------------------------------------------------------
+
+# fp8plug's classes that used to carry torchao's own names (see the module doc)
+_RENAMED = {"ScalingType": "Float8ScalingType", "CastConfig": "Float8CastConfig",
+            "Float8LinearConfig": "Float8TrainingConfig"}
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"fp8plug.float8.{name} is deprecated: it is fp8plug's class, not torchao.float8.{name}, and "
+            f"has been renamed fp8plug.float8.{new}; the old name will be removed.", DeprecationWarning, stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ import difflib
 import functools
 import os
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Sequence, Tuple, Union
 
 try:  # the base class accelerate wants of a kwargs handler; the recipe itself needs nothing of it
     from accelerate.utils import KwargsHandler
@@ -183,7 +183,9 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         amax_compute_algo: "max" over the history or "most_recent".
         override_linear_precision: (fprop, dgrad, wgrad); True runs that GEMM in high precision.
         scaling: the engine's scaling recipe; None takes its default ("delayed" for native and te,
-            "tensorwise" for ao). native: "delayed" or "dynamic"; te: "delayed", "current",
+            "tensorwise" for ao). native: "delayed" or "dynamic", or one of them per tensor as
+            (input, weight, grad_output) (torchao's old per-tensor CastConfig, which
+            fp8plug.float8 serves; three equal modes become one); te: "delayed", "current",
             "block", "mxfp8", "nvfp4"; ao: "tensorwise", "rowwise", "rowwise_with_gw_hp".
         modules_to_ignore: fully-qualified names of modules to leave in high precision.
         module_filter_fn: `fn(module, fqn) -> bool`; False leaves that module in high precision.
@@ -192,7 +194,8 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         pad_inner_dim: ao: zero-pad GEMM inner dimensions to multiples of 16; default False.
         ao_config: ao: a whole torchao `Float8LinearConfig` to start from instead of `scaling`;
             fields passed explicitly here (fp8_format, override_linear_precision, the two above)
-            still apply on top. Implies backend="ao".
+            still apply on top. Or torchao's MXFP8 training config (`MXFP8TrainingOpConfig`,
+            which fp8plug.float8's `ao_mx` builds), taken as it is. Implies backend="ao".
         optimizer_states: low-precision Adam/AdamW states through torchao (fp8plug.optim):
             "fp8", "8bit" or "4bit"; None (default) leaves the optimizer as given. Environment:
             FP8PLUG_OPTIMIZER_STATES. The msamp engine refuses it (its opt_level O2 does this).
@@ -221,7 +224,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
     amax_history_len: Optional[int] = None
     amax_compute_algo: Optional[str] = None
     override_linear_precision: Optional[Tuple[bool, bool, bool]] = None
-    scaling: Optional[str] = None
+    scaling: Optional[Union[str, Tuple[str, str, str]]] = None
     modules_to_ignore: Optional[Sequence[str]] = None
     module_filter_fn: Optional[Callable] = field(default=None, repr=False, compare=False)
     enable_fsdp_float8_all_gather: Optional[bool] = None
@@ -318,8 +321,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             setattr(self, name, self._bounded(name))
         self.reduce_amax = parse_bool(self.reduce_amax, self._label("reduce_amax"))
         self.override_linear_precision = _override(self.override_linear_precision)
-        if self.scaling is not None:
-            self.scaling = str(self.scaling).strip().lower()
+        self.scaling = _scaling(self.scaling)
         if self.modules_to_ignore is not None:
             if isinstance(self.modules_to_ignore, str) or not all(
                 isinstance(n, str) for n in self.modules_to_ignore
@@ -429,6 +431,17 @@ def _choice(name, value, allowed, canon):
     if text not in allowed:
         raise ValueError(f"FP8RecipeKwargs.{name}: {value!r} is not allowed; use one of {', '.join(allowed)}.")
     return text
+
+
+def _scaling(value):
+    """The scaling as a lower-case name, or an (input, weight, grad_output) tuple of names where
+    they differ; whether the engine has it is the engine's check (Engine.scaling_name)."""
+    if value is None or isinstance(value, str):
+        return None if value is None else value.strip().lower()
+    if not isinstance(value, (tuple, list)) or len(value) != 3 or not all(isinstance(m, str) for m in value):
+        raise ValueError(f"FP8RecipeKwargs.scaling: give a name, or three as (input, weight, grad_output), not {value!r}.")
+    modes = tuple(mode.strip().lower() for mode in value)
+    return modes[0] if len(set(modes)) == 1 else modes
 
 
 _OPTIMIZER_STATE_ALIASES = {"float8": "fp8", "8-bit": "8bit", "4-bit": "4bit"}

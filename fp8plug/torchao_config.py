@@ -91,7 +91,28 @@ def float8_all_gather_problem(config) -> Optional[str]:
     return None
 
 
+def scaling_of(config) -> str:
+    """The scaling a whole torchao config gives, for the log line and checkpoints: "mxfp8" for an
+    MXFP8 training config, the torchao recipe name whose casts it has, or "custom"."""
+    if is_mx_training_config(config):
+        return "mxfp8"
+    from torchao.float8 import Float8LinearConfig
+
+    casts = [name for names in _gemm_operands().values() for name in names]
+    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        named = Float8LinearConfig.from_recipe_name(name)
+        if all(getattr(config, c) == getattr(named, c) for c in casts):
+            return name
+    return "custom"
+
+
 # --- MXFP8 ----------------------------------------------------------------------------------------
+
+
+def is_mx_training_config(config) -> bool:
+    """Whether `config` is torchao's MXFP8 training config (mx_training_config builds it), checked
+    by name so torchao's prototype module is not imported to answer."""
+    return type(config).__name__ == "MXFP8TrainingOpConfig"
 
 
 def _dtype(value, field: str) -> Optional[torch.dtype]:

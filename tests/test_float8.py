@@ -22,11 +22,11 @@ from fp8plug.float8 import (  # noqa: E402
     AOFloat8LinearConfig,
     AOFloat8LinearRecipe,
     AOMXLinearConfig,
-    CastConfig,
     DelayedScalingConfig,
+    Float8CastConfig,
     Float8Config,
-    Float8LinearConfig,
-    ScalingType,
+    Float8ScalingType,
+    Float8TrainingConfig,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
@@ -189,14 +189,14 @@ def test_dynamic_config_runs_on_torchao_and_a_torchao_config_is_accepted():
 
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_from_recipe_name_as_torchao_spells_it(name):
-    """fp8plug's Float8LinearConfig.from_recipe_name gives torchao's recipe (its own config, the
+    """fp8plug's Float8TrainingConfig.from_recipe_name gives torchao's recipe (its own config, the
     same casts), which converts and trains on the ao engine."""
     from torchao.float8 import Float8LinearConfig as TorchaoConfig
     from torchao.float8.config import Float8LinearRecipeName
 
-    config = Float8LinearConfig.from_recipe_name(name)
-    assert Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(name)) == config
-    assert isinstance(config, Float8LinearConfig) and config.recipe_name == name and not config.delayed
+    config = Float8TrainingConfig.from_recipe_name(name)
+    assert Float8TrainingConfig.from_recipe_name(Float8LinearRecipeName(name)) == config
+    assert isinstance(config, Float8TrainingConfig) and config.recipe_name == name and not config.delayed
     theirs = TorchaoConfig.from_recipe_name(name)
     ours = config.to_torchao()
     for field in ("cast_config_input", "cast_config_weight", "cast_config_grad_output",
@@ -212,19 +212,19 @@ def test_from_recipe_name_as_torchao_spells_it(name):
 def test_from_recipe_name_errors_name_the_choices(monkeypatch):
     with pytest.raises(ValueError, match="recipe_name: 'columnwise' is not a torchao float8 recipe; use one of "
                                          "tensorwise, rowwise, rowwise_with_gw_hp"):
-        Float8LinearConfig.from_recipe_name("columnwise")
+        Float8TrainingConfig.from_recipe_name("columnwise")
     with pytest.raises(ValueError, match="sets every cast itself"):
-        Float8LinearConfig(recipe_name="rowwise", cast_config_input=CastConfig(ScalingType.DISABLED))
+        Float8TrainingConfig(recipe_name="rowwise", cast_config_input=Float8CastConfig(Float8ScalingType.DISABLED))
     monkeypatch.setattr(get_backend("ao"), "probe", lambda: Probe(False, reason="not installed"))
     with pytest.raises(fp8plug.BackendUnavailableError, match="pip install torchao"):
-        convert_to_float8_training(Model(), config=Float8LinearConfig.from_recipe_name("rowwise"))
+        convert_to_float8_training(Model(), config=Float8TrainingConfig.from_recipe_name("rowwise"))
 
 
 def test_delayed_runs_on_native_with_per_tensor_modes():
-    config = Float8LinearConfig(
-        cast_config_input=CastConfig(ScalingType.DYNAMIC),
-        cast_config_weight=CastConfig(ScalingType.DELAYED),
-        cast_config_grad_output=CastConfig(ScalingType.DELAYED),
+    config = Float8TrainingConfig(
+        cast_config_input=Float8CastConfig(Float8ScalingType.DYNAMIC),
+        cast_config_weight=Float8CastConfig(Float8ScalingType.DELAYED),
+        cast_config_grad_output=Float8CastConfig(Float8ScalingType.DELAYED),
         delayed_scaling_config=DelayedScalingConfig(history_len=4),
     )
     model, ref = convert_to_float8_training(Model(), config=config), Model()
@@ -248,13 +248,15 @@ def test_delayed_runs_on_native_with_per_tensor_modes():
 
 def test_seed_config_errors():
     with pytest.raises(ValueError, match="DELAYED and DISABLED"):
-        Float8LinearConfig(cast_config_input=CastConfig(ScalingType.DELAYED), cast_config_weight=CastConfig(ScalingType.DISABLED))
+        Float8TrainingConfig(cast_config_input=Float8CastConfig(Float8ScalingType.DELAYED),
+                             cast_config_weight=Float8CastConfig(Float8ScalingType.DISABLED))
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
-        Float8LinearConfig(cast_config_weight=CastConfig(ScalingType.DELAYED), enable_fsdp_float8_all_gather=True)
+        Float8TrainingConfig(cast_config_weight=Float8CastConfig(Float8ScalingType.DELAYED), enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="both be DISABLED"):
-        convert_to_float8_training(Model(), config=Float8LinearConfig(cast_config_input=CastConfig(ScalingType.DISABLED)))
+        disabled = Float8TrainingConfig(cast_config_input=Float8CastConfig(Float8ScalingType.DISABLED))
+        convert_to_float8_training(Model(), config=disabled)
     with pytest.raises(ValueError, match="scaling_type"):
-        CastConfig(scaling_type="delayed")
+        Float8CastConfig(scaling_type="delayed")
     with pytest.raises(ValueError, match="config must be"):
         convert_to_float8_training(Model(), config={"emulate": True})
     with pytest.raises(ConversionError, match="already compiled"):
@@ -276,7 +278,9 @@ def test_without_torchao_dynamic_falls_back_to_native(monkeypatch):
 # Changes to the seed text: the import path (fp8plug.float8 for torchao.float8), indentation
 # restored, the FSDP line replaced by `model = m` (no process group here), an optimizer defined
 # before the loop, and the comma the seed's second example misses after
-# `enable_pre_and_post_forward=False`.
+# `enable_pre_and_post_forward=False`. The delayed example imports torchao's class names
+# (ScalingType, CastConfig, Float8LinearConfig), which fp8plug.float8 still answers, deprecated,
+# with its renamed classes.
 
 SEED_DYNAMIC = '''
 from fp8plug.float8 import (

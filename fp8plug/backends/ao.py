@@ -18,8 +18,8 @@ the token dimension is zero-padded on the way in and sliced on the way out (back
 except where torchao needs no alignment (emulate) or pads itself (pad_inner_dim).
 
 MXFP8 training (torchao's prototype MXFP8TrainingOpConfig, sm_100 or emulated) is offered through
-`convert_with_config` with such a config, for fp8plug.float8.Float8Config(ao_mx=...). The configs
-themselves are built in fp8plug.torchao_config. torchao is imported only when used, so this
+a recipe whose `ao_config` is such a config, as fp8plug.float8.Float8Config(ao_mx=...) builds. The
+configs themselves are built in fp8plug.torchao_config. torchao is imported only when used, so this
 module imports (and probes) where torchao is absent.
 """
 
@@ -41,7 +41,9 @@ from ..convert import (
 )
 from ..recipe import DEFAULTS
 from ..steps import track
-from ..torchao_config import MX_BLOCK, build_float8_config, float8_all_gather_problem, needs_emulation
+from ..torchao_config import (
+    MX_BLOCK, build_float8_config, float8_all_gather_problem, is_mx_training_config, needs_emulation, scaling_of,
+)
 from .base import Engine, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
@@ -145,11 +147,14 @@ class AOEngine(Engine):
                 f"FP8RecipeKwargs.scaling: {recipe.scaling!r} is not a torchao float8 recipe (torchao scales "
                 f"every tensor dynamically); use one of {', '.join(self.scalings)}{hint}."
             )
+        if recipe.ao_config is not None and recipe.scaling is None:
+            return scaling_of(recipe.ao_config)  # a whole config: the scaling it gives
         return super().scaling_name(recipe)
 
     # recipe -> config ------------------------------------------------------------------------------
     def float8_config(self, recipe):
-        """The torchao Float8LinearConfig for an FP8RecipeKwargs.
+        """The torchao Float8LinearConfig for an FP8RecipeKwargs (or its `ao_config` where that is
+        an MXFP8 training config, which takes no other field).
 
         Named recipes start from Float8LinearConfig.from_recipe_name; `recipe.ao_config` is taken
         whole, with only the fields the user passed explicitly applied on top. fp8_format applies
@@ -160,10 +165,17 @@ class AOEngine(Engine):
 
         self._warn_delayed_fields(recipe)
         if recipe.ao_config is not None:
+            if is_mx_training_config(recipe.ao_config):
+                given = [n for n in ("scaling", "fp8_format", "override_linear_precision", "pad_inner_dim",
+                                     "enable_fsdp_float8_all_gather") if recipe.is_explicit(n)]
+                if given:
+                    raise ValueError(f"FP8RecipeKwargs.{given[0]}: applies to torchao float8, not to an MXFP8 "
+                                     "ao_config; leave it unset.")
+                return recipe.ao_config
             if not isinstance(recipe.ao_config, Float8LinearConfig):
                 raise ValueError(
-                    "FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig, got "
-                    f"{type(recipe.ao_config).__name__}."
+                    "FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig (or torchao's "
+                    f"MXFP8 training config), got {type(recipe.ao_config).__name__}."
                 )
             if recipe.is_explicit("scaling"):
                 raise ValueError(
@@ -213,20 +225,18 @@ class AOEngine(Engine):
     def convert(self, model: nn.Module, recipe) -> ConversionReport:
         self.require()
         config = self.float8_config(recipe)
-        return self.convert_with_config(model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
+        if is_mx_training_config(config):
+            return _convert_mx(self, model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
+        return self._convert_float8(model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
 
-    def convert_with_config(
+    def _convert_float8(
         self,
         model: nn.Module,
         config,
         modules_to_ignore: Optional[Sequence[str]] = None,
         module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
     ) -> ConversionReport:
-        """Convert `model` in place with a torchao Float8LinearConfig (or an MXFP8 training config,
-        fp8plug.torchao_config.mx_training_config), under the shared rules."""
-        self.require()
-        if type(config).__name__ == "MXFP8TrainingOpConfig":
-            return _convert_mx(self, model, config, modules_to_ignore, module_filter_fn)
+        """Convert `model` in place with a torchao Float8LinearConfig, under the shared rules."""
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 

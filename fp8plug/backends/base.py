@@ -210,16 +210,6 @@ class Engine:
             return self.convert(model, recipe)
         return ConversionReport(self.name)
 
-    def convert_with_config(self, model: nn.Module, config: Any, modules_to_ignore=None,
-                            module_filter_fn=None) -> "ConversionReport":
-        """Convert with the engine's own configuration object instead of an FP8RecipeKwargs (a
-        torchao Float8LinearConfig or MXFP8 config for ao, NativeFP8Linear options for native),
-        under the same shared rules; fp8plug.float8's torchao-shaped entry points use it.
-        Default: refused."""
-        raise TypeError(
-            f"the {self.title} engine converts from an FP8RecipeKwargs only, not a {type(config).__name__}."
-        )
-
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap this engine's modules back for plain torch modules with the same weights."""
         raise NotImplementedError

@@ -25,7 +25,6 @@ from ..convert import (
     swap_modules,
 )
 from ..fp8_gemm import scaled_mm
-from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
     E5M2,
@@ -356,6 +355,13 @@ class NativeEngine(Engine):
             return Probe(False, reason=f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes")
         return Probe(True, version=f"torch {torch.__version__}")
 
+    def scaling_name(self, recipe):
+        """The recipe's scaling, checked: one mode for all three tensors, or a mode per tensor as
+        (input, weight, grad_output), which NativeFP8Linear takes as it is."""
+        if isinstance(recipe.scaling, tuple) and all(mode in self.scalings for mode in recipe.scaling):
+            return recipe.scaling
+        return super().scaling_name(recipe)
+
     def options(self, recipe) -> dict:
         """NativeFP8Linear's keyword options for an FP8RecipeKwargs."""
         return dict(
@@ -368,20 +374,6 @@ class NativeEngine(Engine):
 
     def convert(self, model: nn.Module, recipe) -> ConversionReport:
         return self._convert(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
-
-    def convert_with_config(self, model: nn.Module, config, modules_to_ignore=None,
-                            module_filter_fn=None) -> ConversionReport:
-        """Convert with NativeFP8Linear's own options (a dict; e.g. a scaling mode per tensor,
-        which a recipe cannot say: fp8plug.float8 uses this for torchao-style configs). Options
-        not given take FP8RecipeKwargs' defaults."""
-        if not isinstance(config, dict):
-            return super().convert_with_config(model, config, modules_to_ignore, module_filter_fn)
-        options = {name: DEFAULTS[name] for name in ("fp8_format", "margin", "interval", "amax_history_len",
-                                                     "amax_compute_algo", "override_linear_precision",
-                                                     "reduce_amax")}
-        options["scaling"] = self.scalings[0]
-        options.update(config)
-        return self._convert(model, options, modules_to_ignore, module_filter_fn)
 
     def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn) -> ConversionReport:
         targets, report = plan_conversion(
