@@ -115,7 +115,7 @@ def test_the_task_has_the_loss_floor_it_claims():
 def test_rows_option_names_the_bad_row():
     assert hf_llama.parse_rows("bf16-eager, default")[:2] == ["bf16-eager", "bf16-compiled"]
     assert "accelerate-ao-eager" not in hf_llama.parse_rows("default")
-    assert len(hf_llama.parse_rows("all")) == 2 * len(hf_llama.BASES)
+    assert len(hf_llama.parse_rows("all")) == len(hf_llama.MODES) * len(hf_llama.BASES)
     with pytest.raises(SystemExit, match="--rows: unknown row 'fp8plug-fast'"):
         hf_llama.parse_rows("bf16-eager,fp8plug-fast")
     with pytest.raises(SystemExit):
