@@ -71,7 +71,7 @@ def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     state): the engine's name and the scaling it resolves the recipe to."""
     record = {name: getattr(recipe, name, None) for name in RECIPE_FIELDS}
     record["backend"] = engine.name
-    record["scaling"] = engine.scaling_name(recipe)
+    record["scaling"] = engine.scaling_name(recipe.scaling)
     return record
 
 

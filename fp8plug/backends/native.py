@@ -14,7 +14,7 @@ compiles with fullgraph=True.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from ..convert import (
     swap_modules,
 )
 from ..fp8_gemm import scaled_mm
+from ..plans import Plan, Settings
 from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
@@ -329,6 +330,36 @@ def _direct_layers_engine() -> "NativeEngine":
     return _DIRECT[0]
 
 
+@dataclass(frozen=True, kw_only=True)
+class NativePlan(Plan):
+    """What NativeFP8Linear is built with (besides the shared Plan): the FP8 format, delayed
+    scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
+    whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
+    weight, grad_output), where given, replaces the one `scaling` for all three: a recipe cannot
+    say it, fp8plug.float8's torchao-shaped configs can. Defaults: FP8RecipeKwargs'."""
+
+    fp8_format: str = DEFAULTS["fp8_format"]
+    margin: int = DEFAULTS["margin"]
+    interval: int = DEFAULTS["interval"]
+    amax_history_len: int = DEFAULTS["amax_history_len"]
+    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
+    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
+    reduce_amax: bool = DEFAULTS["reduce_amax"]
+    tensor_scalings: Optional[Tuple[str, str, str]] = None
+
+    def layer_options(self) -> dict:
+        """NativeFP8Linear's keyword options."""
+        return dict(
+            scaling=self.tensor_scalings or self.scaling or NativeEngine.scalings[0], fp8_format=self.fp8_format,
+            margin=self.margin, interval=self.interval, amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo, override_linear_precision=self.override_linear_precision,
+            reduce_amax=self.reduce_amax,
+        )
+
+
+DELAYED_FIELDS = frozenset({"margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
+
+
 class NativeEngine(Engine):
     """fp8plug's own engine: always importable, runs on the CPU and on CUDA sm_89+."""
 
@@ -338,6 +369,9 @@ class NativeEngine(Engine):
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
     counts_gemms = True
+    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
+    honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
+    plan_class = NativePlan
     # compiled, dynamic ties delayed (1.316x against 1.310x) and reaches its first step sooner;
     # eager, delayed's one-pass cast (_fused_cast) beats dynamic's torch ops: 0.81x against 0.63x
     # (measured before the end-of-step update stopped waiting for the GPU; not yet re-measured)
@@ -348,32 +382,29 @@ class NativeEngine(Engine):
             return Probe(False, reason=f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes")
         return Probe(True, version=f"torch {torch.__version__}")
 
-    def options(self, recipe) -> dict:
-        """NativeFP8Linear's keyword options for an FP8RecipeKwargs."""
-        return dict(
-            scaling=self.scaling_name(recipe), fp8_format=recipe.fp8_format, margin=recipe.margin,
-            interval=recipe.interval, amax_history_len=recipe.amax_history_len,
-            amax_compute_algo=recipe.amax_compute_algo,
-            override_linear_precision=recipe.override_linear_precision,
-            reduce_amax=getattr(recipe, "reduce_amax", True),
-        )
+    def make_plan(self, settings: Settings) -> NativePlan:
+        delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & DELAYED_FIELDS}
+        return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
+                          **delayed)
 
-    def convert(self, model: nn.Module, recipe) -> ConversionReport:
-        return self._convert(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
+    def convert(self, model: nn.Module, plan) -> ConversionReport:
+        plan = self.plan_of(plan)
+        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn)
 
     def convert_with_config(self, model: nn.Module, config, modules_to_ignore=None,
                             module_filter_fn=None) -> ConversionReport:
-        """Convert with NativeFP8Linear's own options (a dict; e.g. a scaling mode per tensor,
-        which a recipe cannot say: fp8plug.float8 uses this for torchao-style configs). Options
-        not given take FP8RecipeKwargs' defaults."""
+        """Convert with NativeFP8Linear's own options (a dict of NativePlan's fields, `scaling`
+        may be a tuple of one mode per tensor: fp8plug.float8 uses this for torchao-style
+        configs). Options not given take FP8RecipeKwargs' defaults."""
         if not isinstance(config, dict):
             return super().convert_with_config(model, config, modules_to_ignore, module_filter_fn)
-        options = {name: DEFAULTS[name] for name in ("fp8_format", "margin", "interval", "amax_history_len",
-                                                     "amax_compute_algo", "override_linear_precision",
-                                                     "reduce_amax")}
-        options["scaling"] = self.scalings[0]
-        options.update(config)
-        return self._convert(model, options, modules_to_ignore, module_filter_fn)
+        options = dict(config)
+        scaling = options.pop("scaling", self.scalings[0])
+        per_tensor = None if isinstance(scaling, str) else tuple(scaling)
+        ignore = tuple(modules_to_ignore) if modules_to_ignore is not None else None
+        plan = NativePlan(scaling=scaling if per_tensor is None else "", tensor_scalings=per_tensor,
+                          modules_to_ignore=ignore, module_filter_fn=module_filter_fn, **options)
+        return self.convert(model, plan)
 
     def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn) -> ConversionReport:
         targets, report = plan_conversion(
@@ -396,7 +427,7 @@ class NativeEngine(Engine):
     def is_converted(self, module: nn.Module) -> bool:
         return isinstance(module, NativeFP8Linear)
 
-    def autocast(self, recipe, enabled: bool = True):
+    def autocast(self, plan=None, enabled: bool = True):
         return fp8_region(enabled)
 
     def runs_fp8(self, module: nn.Module, input) -> bool:
