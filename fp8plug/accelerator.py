@@ -29,7 +29,7 @@ import accelerate.utils
 import torch
 from torch import nn
 
-from .api import convert_with_engine, loaded_engines
+from .api import convert_with_plan, loaded_engines
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
 from .backends.base import Engine
@@ -42,6 +42,7 @@ from . import resume
 from ._upstream import FP8EngineName, AcceleratorInternals, is_prepared, prepared_models, prepared_optimizers
 from ._upstream import restore_forward, shared_precision, storage_view  # noqa: F401  (storage_view: public here)
 from .optim import convert_optimizer
+from .plans import Plan, make_plan
 from .recipe import FP8RecipeKwargs
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
@@ -69,7 +70,9 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
     `FP8RecipeKwargs` in `kwargs_handlers`, else one read from the `ACCELERATE_FP8_*` environment.
 
     Attributes added: `fp8_recipe` (the FP8RecipeKwargs), `fp8_engine` (the Engine),
-    `fp8_selection` (why that engine), `fp8_reports` (one ConversionReport per converted model),
+    `fp8_selection` (why that engine), `fp8_plan` (the engine's plan, made from the recipe once
+    here: what conversion, autocast and the optimizer take), `fp8_reports` (one
+    ConversionReport per converted model),
     `fp8_models` (the converted models);
     `fp8_coverage()` counts what ran in FP8. `fp8_backend` names the engine in use ("native",
     "ao", "te", "msamp": an FP8EngineName, equal to no FP8BackendType member, so accelerate's
@@ -113,6 +116,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         self.fp8_recipe_handler = recipe
         self.fp8_selection = None
         self.fp8_engine: Optional[Engine] = None
+        self.fp8_plan: Optional[Plan] = None
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
         # the converted models' FP8 scaling state: save_state writes it (fp8plug.resume); Trainer checkpoints too
@@ -126,10 +130,20 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
             if self.fp8_selection.mode and is_main_process():
                 logger.info("fp8plug: FP8 engine %s", self.fp8_selection.summary())
-            self.fp8_engine.check_recipe(recipe)  # a recipe the engine refuses fails here, not mid-prepare
+            # the plan, once: a recipe the engine refuses fails here, not mid-prepare
+            self.fp8_plan = make_plan(self.fp8_engine, self._recipe_for_run(recipe), self.fp8_selection.device,
+                                      auto_filter=True)
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models, recipe)
             if ds.is_deepspeed(self):
                 ds.check_engine(self)
+
+    def _recipe_for_run(self, recipe: FP8RecipeKwargs) -> FP8RecipeKwargs:
+        """`recipe` as this run can use it: float8 all-gather only under FSDP2 (`accelerate launch`
+        exports it as true by default; it means something only there)."""
+        if recipe.enable_fsdp_float8_all_gather and not self.is_fsdp2:
+            recipe = copy.copy(recipe)
+            recipe.enable_fsdp_float8_all_gather = False
+        return recipe
 
     def _compiles_model(self) -> bool:
         """Whether prepare() will torch.compile the model (a dynamo backend from the argument, the
@@ -193,7 +207,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                 args[i] = self._convert(args[i], optimizers, placements[i])
         for i, obj in enumerate(args):  # opt-in low-precision optimizer states (recipe.optimizer_states)
             if isinstance(obj, torch.optim.Optimizer):
-                args[i] = convert_optimizer(obj, self.fp8_recipe)
+                args[i] = convert_optimizer(obj, self.fp8_plan)
         self._pair_with_optimizers(args, [args[i] for i in new_models])
         # The end of each optimizer step needs nothing here: fp8plug.steps' global optimizer hook
         # finds the converted models an optimizer trains, whenever it was prepared.
@@ -216,17 +230,12 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         if self._should_place(placement) and not _on_meta(model):
             model.to(self.device)  # engines build their modules where the weights already are
         before = dict(model.named_parameters(remove_duplicate=False))
-        recipe = self.fp8_recipe
-        if getattr(recipe, "enable_fsdp_float8_all_gather", False) and not self.is_fsdp2:
-            # `accelerate launch` exports this as true by default; it only means something under FSDP2
-            recipe = copy.copy(recipe)
-            recipe.enable_fsdp_float8_all_gather = False
         with torch.no_grad():
-            report = convert_with_engine(model, recipe, self.fp8_engine, self.fp8_selection.device)
+            report = convert_with_plan(model, self.fp8_engine, self.fp8_plan)
         after = dict(model.named_parameters(remove_duplicate=False))
         _rebind_optimizers(optimizers, before, after, type(model).__name__)
         install_plain_state_dict(model, self.fp8_engine)
-        apply_fp8_autowrap(model, self.fp8_recipe, backend=self.fp8_engine)
+        apply_fp8_autowrap(model, self.fp8_plan, backend=self.fp8_engine)
         self.fp8_reports.append(report)
         self._fp8_models.append(model)
         return model
@@ -252,7 +261,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                     "use one optimizer per model."
                 )
             optimizer = args[holders[0]] if holders else None
-            new_model, new_optimizer = engine.prepare(model, optimizer, self.fp8_recipe)
+            new_model, new_optimizer = engine.prepare(model, optimizer, self.fp8_plan)
             _replace(args, model, new_model)
             if optimizer is not None:
                 args[holders[0]] = new_optimizer

@@ -11,8 +11,8 @@ from .backends import get_backend, select_backend
 from .backends.base import Engine
 from .convert import ConversionReport
 from .coverage import describe_engine, log_conversion, logger
+from .plans import Plan, make_plan
 from .recipe import BACKENDS, FP8RecipeKwargs
-from .roofline import with_auto_filter
 from .steps import end_step
 
 
@@ -45,9 +45,8 @@ def convert_model(
     recipe = recipe or FP8RecipeKwargs(backend=backend)
     selection = select_backend(backend or recipe.backend, compiled=compiled)
     recipe = selection.tune(recipe)
-    report = convert_with_engine(model, recipe, selection.backend, selection.device,
-                                 auto_filter=recipe.auto_filter is True, linear=_convert_linear,
-                                 norm=_convert_ln is not False)
+    plan = make_plan(selection.backend, recipe, selection.device, auto_filter=recipe.auto_filter is True)
+    report = convert_with_plan(model, selection.backend, plan, linear=_convert_linear, norm=_convert_ln is not False)
     if _convert_ln:
         _warn_norms_left(model, report, selection.backend)
     return report
@@ -64,17 +63,14 @@ def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Engine)
             engine.name, len(norms), ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else ""))
 
 
-def convert_with_engine(model: nn.Module, recipe: FP8RecipeKwargs, engine: Engine, device, *,
-                        auto_filter: bool = True, linear: bool = True, norm: bool = True) -> ConversionReport:
-    """The one conversion path (convert_model and fp8plug.Accelerator both take it): check the
-    recipe against the engine, add the automatic speed filter where `auto_filter` (fp8plug.roofline
-    decides whether it applies on `device`, a hardware.DeviceInfo), let the engine convert, and log
-    one line under the `fp8plug` logger (fp8plug.coverage)."""
-    engine.check_recipe(recipe)
-    if auto_filter:
-        recipe = with_auto_filter(recipe, engine.name, device)
-    report = engine.convert_layers(model, recipe, linear=linear, norm=norm)
-    log_conversion(report, describe_engine(engine, recipe), type(model).__name__)
+def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: bool = True,
+                      norm: bool = True) -> ConversionReport:
+    """The one conversion path (convert_model and fp8plug.Accelerator both take it): the engine
+    converts as its plan says (made once, at selection, by fp8plug.plans.make_plan: the recipe
+    checked, the automatic speed filter added where it applies), then one line is logged under
+    the `fp8plug` logger (fp8plug.coverage)."""
+    report = engine.convert_layers(model, plan, linear=linear, norm=norm)
+    log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     return report
 
 

@@ -16,22 +16,28 @@ from torch import nn
 
 from .backends import get_backend, select_backend
 from .backends.base import Engine
+from .plans import Plan, make_plan
 from .recipe import FP8RecipeKwargs
 
 _MARK = "_fp8plug_autocast"
 
 
 def _resolve(fp8_recipe, backend):
-    """(engine, recipe) from an FP8RecipeKwargs and an optional engine (name or object)."""
+    """(engine, its plan), made once when the forward is wrapped, from an engine's plan (the
+    Accelerator's), an FP8RecipeKwargs, or an engine's own recipe object, and an optional engine
+    (name or object)."""
+    if isinstance(fp8_recipe, Plan) and isinstance(backend, Engine):
+        return backend, backend.plan_of(fp8_recipe)
     recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
     if isinstance(backend, Engine):
-        return backend, recipe or FP8RecipeKwargs(backend=backend.name)
+        return backend, make_plan(backend, recipe or FP8RecipeKwargs(backend=backend.name))
     if recipe is None and fp8_recipe is not None:
         # an engine's own recipe object; as in Accelerate, a TransformerEngine one unless `backend` says
         engine = get_backend(backend or "te")
         return engine, engine.engine_recipe(fp8_recipe)
     recipe = recipe or FP8RecipeKwargs()
-    return select_backend(backend or recipe.backend).backend, recipe
+    selection = select_backend(backend or recipe.backend)
+    return selection.backend, make_plan(selection.backend, recipe, selection.device)
 
 
 def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: bool = False, backend=None):
@@ -40,16 +46,17 @@ def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: boo
 
     As in Accelerate, the result takes the module as its first argument: bind it with
     `model.forward = types.MethodType(wrapped, model)` (apply_fp8_autowrap does this). `fp8_recipe`
-    is an FP8RecipeKwargs (or a TransformerEngine recipe object); `backend` picks the engine
-    (default: the recipe's, else automatic). `__wrapped__` is the original forward.
+    is an FP8RecipeKwargs (or a TransformerEngine recipe object, or the plan of the engine
+    `backend` names); `backend` picks the engine (default: the recipe's, else automatic).
+    `__wrapped__` is the original forward.
     """
     original = model_forward.__wrapped__ if getattr(model_forward, _MARK, False) else model_forward
-    engine, recipe = _resolve(fp8_recipe, backend)
+    engine, plan = _resolve(fp8_recipe, backend)
     bound_to = getattr(original, "__self__", None)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        with engine.autocast(recipe, enabled=self.training or use_during_eval):
+        with engine.autocast(plan, enabled=self.training or use_during_eval):
             if bound_to is not None and self is not bound_to and isinstance(self, type(bound_to)):
                 # a deep copy of the model: run the copy's forward, not the original's
                 return original.__func__(self, *args, **kwargs)
@@ -83,7 +90,8 @@ def _unbound_signature(original) -> Optional[inspect.Signature]:
 
 def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeKwargs] = None, backend=None) -> nn.Module:
     """Make `model.forward` context-aware FP8 (see contextual_fp8_autocast), in place; applying it
-    twice leaves one wrapper. Eval runs in FP8 only if the handler's use_autocast_during_eval."""
+    twice leaves one wrapper. Eval runs in FP8 only if the handler's use_autocast_during_eval.
+    The handler may also be the plan of the engine `backend` is (the Accelerator passes its own)."""
     recipe = fp8_recipe_handler or FP8RecipeKwargs()
     use_during_eval = getattr(recipe, "use_autocast_during_eval", False)
     wrapped = contextual_fp8_autocast(model.forward, recipe, use_during_eval, backend=backend)

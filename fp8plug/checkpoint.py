@@ -71,7 +71,8 @@ def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     state): the engine's name and the scaling it resolves the recipe to."""
     record = {name: getattr(recipe, name, None) for name in RECIPE_FIELDS}
     record["backend"] = engine.name
-    record["scaling"] = engine.scaling_name(recipe)
+    given = recipe.scaling  # a mode per tensor is kept as such: it is what the FP8 state was made under
+    record["scaling"] = "/".join(given) if isinstance(given, tuple) else engine.scaling_name(given)
     return record
 
 

@@ -36,18 +36,12 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def describe_engine(engine, recipe=None) -> str:
-    """'ao (torchao float8 0.18.0, tensorwise scaling)': the engine, its version and scaling."""
+def describe_engine(engine, plan=None) -> str:
+    """'ao (torchao float8 0.18.0, tensorwise scaling)': the engine, its version and the scaling
+    of its plan (fp8plug.plans.Plan), where given."""
     version = engine.probe().version
     details = [f"{engine.title}{f' {version}' if version else ''}"]
-    scaling = None
-    if recipe is not None and hasattr(recipe, "scaling"):
-        try:
-            scaling = engine.scaling_name(recipe)
-        except (ValueError, IndexError):
-            scaling = None
-    if isinstance(scaling, tuple):  # a mode per tensor (input, weight, grad_output)
-        scaling = "/".join(scaling)
+    scaling = plan.describe_scaling() if plan is not None else None
     if scaling:
         details.append(f"{scaling} scaling")
     return f"{engine.name} ({', '.join(details)})"

@@ -15,6 +15,7 @@ class DeviceInfo:
     type: str  # "cuda" or "cpu"
     name: str
     capability: Optional[Tuple[int, int]] = None
+    cuda_version: Optional[str] = None  # the CUDA torch is built for (None: not a CUDA device, or unknown)
 
     @property
     def fp8_gemm(self) -> bool:
@@ -57,7 +58,8 @@ def device_info(device=None) -> DeviceInfo:
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return DeviceInfo("cuda", torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+        return DeviceInfo("cuda", torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                          torch.version.cuda)
     if device.type == "cpu":
         import platform
 

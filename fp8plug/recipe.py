@@ -57,6 +57,19 @@ DEFAULTS = {
     "auto_filter_tokens": None,
     "reduce_amax": True,
 }
+# What each field that only some engines read applies to: the reason in the warning an engine
+# that ignores the field gives (fp8plug.plans; an engine may say more, Engine.why_ignored).
+APPLIES_TO = {
+    "opt_level": "MS-AMP (backend='msamp')",
+    "margin": "delayed scaling (scaling='delayed')",
+    "interval": "delayed scaling (scaling='delayed')",
+    "amax_history_len": "delayed scaling (scaling='delayed')",
+    "amax_compute_algo": "delayed scaling (scaling='delayed')",
+    "reduce_amax": "delayed scaling (scaling='delayed')",
+    "enable_fsdp_float8_all_gather": "torchao under FSDP2 (backend='ao')",
+    "pad_inner_dim": "torchao (backend='ao')",
+    "ao_config": "torchao (backend='ao')",
+}
 # Bounds of the numeric fields, with why (what FP8 and delayed scaling can use).
 BOUNDS = {
     # the largest value still lands at or above 1.0 in E4M3 (max 448 = 2**8.8); a larger margin
@@ -249,7 +262,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         explicit): `recipe.amax_history_len = 0` or `recipe.margin = 40` fails here, naming the
         field, instead of at the first step or as a silent 98% error. A bad value leaves the
         recipe as it was. None resolves the field again from the environment and the defaults."""
-        if name not in _field_names() or not self.__dict__.get("_constructed") or self.__dict__.get("_checking"):
+        if name not in field_names() or not self.__dict__.get("_constructed") or self.__dict__.get("_checking"):
             object.__setattr__(self, name, value)
             return
         before = dict(self.__dict__)
@@ -277,7 +290,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             self._validate()
         finally:
             object.__setattr__(self, "_checking", False)
-        self._resolved = _Resolved({name: getattr(self, name) for name in _field_names()}, self._explicit_fields)
+        self._resolved = _Resolved({name: getattr(self, name) for name in field_names()}, self._explicit_fields)
 
     def _forget_inherited(self) -> None:
         """Under dataclasses.replace every field arrives filled in. A value that is the very object
@@ -287,12 +300,12 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         source, self._resolved = self._resolved, None
         if source is None:
             return
-        for name in _field_names():
+        for name in field_names():
             if name not in source.explicit and getattr(self, name) is source.values.get(name):
                 setattr(self, name, None)
 
     def _resolve(self, environ) -> None:
-        explicit = {name for name in _field_names() if getattr(self, name) is not None}
+        explicit = {name for name in field_names() if getattr(self, name) is not None}
         self._explicit_fields = frozenset(explicit)
         self._sources: Dict[str, str] = {}
         for name in ENV_NAMES:
@@ -364,7 +377,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
 
     def to_dict(self):
         """The resolved fields as a dict (without module_filter_fn, which is a function)."""
-        return {name: getattr(self, name) for name in _field_names() if name != "module_filter_fn"}
+        return {name: getattr(self, name) for name in field_names() if name != "module_filter_fn"}
 
 
 @dataclass(frozen=True)
@@ -374,7 +387,7 @@ class _Resolved:
 
 
 @functools.lru_cache(maxsize=None)
-def _field_names() -> Tuple[str, ...]:
+def field_names() -> Tuple[str, ...]:
     """The recipe's public fields (not the private `_resolved`)."""
     return tuple(f.name for f in fields(FP8RecipeKwargs) if not f.name.startswith("_"))
 
@@ -397,7 +410,7 @@ def _accept_accelerate_names(generated_init):
 
     @functools.wraps(generated_init)
     def __init__(self, *args, **kwargs):
-        for name in [n for n in kwargs if n not in _field_names() and n != "_resolved"]:
+        for name in [n for n in kwargs if n not in field_names() and n != "_resolved"]:
             if name in ACCELERATE_NAMES:
                 target, translate = ACCELERATE_NAMES[name]
                 if target in kwargs:
@@ -407,10 +420,10 @@ def _accept_accelerate_names(generated_init):
                 value = kwargs.pop(name)
                 kwargs[target] = translate(value) if translate else value
                 continue
-            close = difflib.get_close_matches(name, list(_field_names()) + list(ACCELERATE_NAMES), n=1)
+            close = difflib.get_close_matches(name, list(field_names()) + list(ACCELERATE_NAMES), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise TypeError(
-                f"FP8RecipeKwargs got an unknown field {name!r}.{hint} Fields: {', '.join(_field_names())}."
+                f"FP8RecipeKwargs got an unknown field {name!r}.{hint} Fields: {', '.join(field_names())}."
             )
         generated_init(self, *args, **kwargs)
 

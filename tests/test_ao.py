@@ -175,8 +175,10 @@ def test_override_linear_precision_runs_that_gemm_unscaled(override, gemm):
 
 
 def test_delayed_scaling_fields_warn_only_when_the_user_set_them(engine, monkeypatch):
-    with pytest.warns(UserWarning, match=r"margin=2.*amax_history_len=16.*torchao removed delayed scaling"):
+    with pytest.warns(UserWarning) as caught:
         engine.convert(two_layers(), recipe(margin=2, amax_history_len=16))
+    assert [str(w.message).split(" is ignored by backend 'ao': torchao removed delayed scaling")[0]
+            for w in caught] == ["FP8RecipeKwargs.margin=2", "FP8RecipeKwargs.amax_history_len=16"]
     monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "3")  # launch exports these whatever the backend
     monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "1024")
     with warnings.catch_warnings():

@@ -22,6 +22,7 @@ import torchao.float8  # noqa: E402
 
 import fp8plug  # noqa: E402
 import fp8plug.api  # noqa: E402
+import fp8plug.plans  # noqa: E402
 import fp8plug.float8 as float8  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
@@ -73,27 +74,27 @@ IDS = [entry[0] for entry in ENTRY_POINTS]
 @pytest.mark.parametrize("name, convert, engine_name, scaling", ENTRY_POINTS, ids=IDS)
 def test_each_entry_point_checks_the_recipe_filters_converts_and_logs(name, convert, engine_name, scaling,
                                                                      monkeypatch, caplog):
-    """check_recipe sees the recipe, the speed filter is asked, the engine converts with what it
-    left, and one INFO line names the engine and the scaling: convert_model's stops, in order."""
+    """The engine makes its plan from the recipe (and refuses what it cannot do), the speed filter
+    is asked, the engine converts with what it left, and one INFO line names the engine and the
+    scaling: convert_model's stops, in order (fp8plug.plans.make_plan, api.convert_with_plan)."""
     engine = get_backend(engine_name)
     stops = []
-    check = engine.check_recipe
-    monkeypatch.setattr(engine, "check_recipe", lambda recipe: (stops.append(("check", recipe)), check(recipe))[1])
+    make = engine.make_plan
+    monkeypatch.setattr(engine, "make_plan", lambda settings: (stops.append(("plan", settings)), make(settings))[1])
 
     def speed_filter(recipe, backend, device):  # as if the cost model left w2 in bf16
         stops.append(("filter", recipe))
-        recipe = copy.copy(recipe)  # as roofline.with_auto_filter hands the engine its filter
-        recipe.module_filter_fn = lambda m, fqn: fqn != "w2"
-        return recipe
+        return lambda m, fqn: fqn != "w2"
 
-    monkeypatch.setattr(fp8plug.api, "with_auto_filter", speed_filter)
+    monkeypatch.setattr(fp8plug.plans, "speed_filter", speed_filter)
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "true")  # the recipe asks for the filter, as convert_model reads it
     model = Model()
     with caplog.at_level(logging.INFO, logger="fp8plug"):
         convert(model)
-    assert [stop for stop, _ in stops] == ["check", "filter"]
-    recipe = stops[0][1]
-    assert recipe.backend == engine_name and engine.scaling_name(recipe) == scaling
+    assert [stop for stop, _ in stops] == ["plan", "filter"]
+    settings, recipe = stops[0][1], stops[1][1]
+    assert settings.engine == recipe.backend == engine_name
+    assert (recipe.scaling or engine.scaling_name(None)) == scaling or recipe.ao_config is not None
     assert engine.is_converted(model.w1) and type(model.w2) is nn.Linear  # the filter's choice was applied
     (line,) = [r.getMessage() for r in caplog.records if r.name == "fp8plug" and r.levelno == logging.INFO]
     scaling_text = "/".join(scaling) if isinstance(scaling, tuple) else scaling
@@ -168,7 +169,7 @@ def test_mxfp8_goes_through_the_recipe_too():
     with pytest.raises(ValueError, match="FP8RecipeKwargs.fp8_format: applies to torchao float8, not to an MXFP8"):
         fp8plug.convert_model(Model(), recipe=recipe)
     recipe = FP8RecipeKwargs(ao_config=mx_training_config(kernel_preference="emulated"))
-    assert recipe.backend == "ao" and get_backend("ao").scaling_name(recipe) == "mxfp8"
+    assert recipe.backend == "ao" and get_backend("ao").plan_of(recipe).describe_scaling() == "mxfp8"
 
 
 def test_a_scaling_per_tensor_is_a_recipe_value_native_alone_takes():

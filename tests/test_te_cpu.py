@@ -21,8 +21,10 @@ from fp8plug.backends import _te_recipes as te_recipes
 from fp8plug.backends import te as te_engine
 from fp8plug.backends.base import Engine
 from fp8plug.hardware import DeviceInfo
+from fp8plug.plans import make_plan
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
+CPU = DeviceInfo("cpu", "cpu")
 A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
 
 # The dataclass fields of TransformerEngine 2.20.2's recipe classes (from its source), and of a
@@ -143,8 +145,13 @@ def test_import_fp8plug_never_imports_te():
 # --- recipe mapping --------------------------------------------------------------------------------
 
 
+def te_plan(scaling="delayed", **kwargs):
+    """The te engine's plan for a recipe (made on the CPU: no hardware check, no TE needed)."""
+    return make_plan(te_engine.TEEngine(), FP8RecipeKwargs(backend="te", scaling=scaling, **kwargs), CPU)
+
+
 def plan(scaling="delayed", fields=TE2_FIELDS, **kwargs):
-    return te_recipes.plan_te_recipe(FP8RecipeKwargs(backend="te", **kwargs), scaling, fields, "2.20.2")
+    return te_recipes.te_recipe_spec(te_plan(scaling, **kwargs), fields, "2.20.2")
 
 
 def test_delayed_recipe_carries_every_field_and_most_recent_by_default():
@@ -152,48 +159,50 @@ def test_delayed_recipe_carries_every_field_and_most_recent_by_default():
     assert p.class_name == "DelayedScaling"
     assert p.kwargs_dict() == {"margin": 2, "fp8_format": "E4M3", "amax_history_len": 16,
                                "amax_compute_algo": "most_recent"}
-    assert p.interval == 1 and p.warnings == ()
+    assert p.interval == 1 and p.notes == ()
     assert plan(amax_compute_algo="max").kwargs_dict()["amax_compute_algo"] == "max"
 
 
 def test_interval_is_honoured_through_scaling_factor_compute_algo_on_te2():
     p = plan(interval=4)
-    assert p.interval == 4 and "interval" not in p.kwargs_dict() and p.warnings == ()
+    assert p.interval == 4 and "interval" not in p.kwargs_dict() and p.notes == ()
 
 
-def test_interval_goes_to_te1_field_or_is_warned_when_there_is_no_way():
+def test_interval_goes_to_te1_field_or_is_noted_when_there_is_no_way():
     assert plan(interval=4, fields=TE1_FIELDS).kwargs_dict()["interval"] == 4
     bare = {"DelayedScaling": TE2_FIELDS["DelayedScaling"] - {"scaling_factor_compute_algo"}}
     p = plan(interval=4, fields=bare)
-    assert p.interval == 1 and len(p.warnings) == 1 and "interval=4 is ignored" in p.warnings[0]
+    assert p.interval == 1 and [(name, value) for name, value, _ in p.notes] == [("interval", 4)]
+    assert "no hook to change that" in p.notes[0][2]
 
 
 def test_override_linear_precision_backward_becomes_backward_override():
     p = plan("current", override_linear_precision=(False, True, True))
-    assert p.kwargs_dict()["backward_override"] == "high_precision" and p.warnings == ()
+    assert p.kwargs_dict()["backward_override"] == "high_precision" and p.notes == ()
     p = plan("block", override_linear_precision=(False, True, True))
     assert p.kwargs_dict()["backward_override"] == "high_precision"
 
 
-def test_override_linear_precision_that_te2_cannot_do_is_warned_never_dropped():
+def test_override_linear_precision_that_te2_cannot_do_is_noted_never_dropped():
     p = plan("delayed", override_linear_precision=(False, True, True))
     assert "backward_override" not in p.kwargs_dict()
-    assert len(p.warnings) == 1 and "override_linear_precision" in p.warnings[0] and "scaling='current'" in p.warnings[0]
+    assert len(p.notes) == 1 and p.notes[0][0] == "override_linear_precision" and "scaling='current'" in p.notes[0][2]
     p = plan("current", override_linear_precision=(True, False, False))
-    assert len(p.warnings) == 1 and "modules_to_ignore" in p.warnings[0]
+    assert len(p.notes) == 1 and "modules_to_ignore" in p.notes[0][2]
     p = plan("current", override_linear_precision=(False, False, True))
-    assert "backward_override" not in p.kwargs_dict() and len(p.warnings) == 1
-
-
-def test_override_linear_precision_goes_to_te1_field():
-    p = plan(override_linear_precision=(False, False, True), fields=TE1_FIELDS)
-    assert p.kwargs_dict()["override_linear_precision"] == (False, False, True) and p.warnings == ()
+    assert "backward_override" not in p.kwargs_dict() and len(p.notes) == 1
 
 
 def test_delayed_only_fields_warned_under_other_scalings_only_when_chosen():
-    assert plan("current").warnings == ()
-    p = plan("current", amax_history_len=16, margin=1)
-    assert len(p.warnings) == 2 and all("only applies to delayed scaling" in w for w in p.warnings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        te_plan("current")
+    with pytest.warns(UserWarning) as caught:
+        p = te_plan("current", amax_history_len=16, margin=1)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2 and all("is ignored by backend 'te' with scaling='current': it only applies to "
+                                      "delayed scaling" in m for m in messages)
+    assert (p.margin, p.amax_history_len) == (0, 1024)  # not in the plan: TE's current scaling has none
 
 
 def test_block_and_mxfp8_keep_te_default_format_unless_chosen():
@@ -201,7 +210,11 @@ def test_block_and_mxfp8_keep_te_default_format_unless_chosen():
     assert plan("block", fp8_format="HYBRID").kwargs_dict()["fp8_format"] == "HYBRID"
     assert plan("current").kwargs_dict() == {"fp8_format": "HYBRID"}
     assert plan("nvfp4").kwargs_dict() == {}
-    assert "ignored with scaling='nvfp4'" in plan("nvfp4", fp8_format="HYBRID").warnings[0]
+    with pytest.warns(UserWarning, match="fp8_format='HYBRID' is ignored by backend 'te' with scaling='nvfp4'"):
+        te_plan("nvfp4", fp8_format="HYBRID")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        te_plan("nvfp4", fp8_format="E4M3")  # what NVFP4's block scales are anyway: nothing to say
 
 
 def test_recipe_class_missing_from_old_te_is_a_clear_error():
@@ -211,7 +224,7 @@ def test_recipe_class_missing_from_old_te_is_a_clear_error():
 
 def test_unknown_scaling_names_the_te_choices():
     with pytest.raises(ValueError, match="delayed, current, block, mxfp8, nvfp4"):
-        te_engine.TEEngine().scaling_name(FP8RecipeKwargs(backend="te", scaling="tensorwise"))
+        te_engine.TEEngine().scaling_name("tensorwise")
 
 
 @pytest.mark.parametrize("scaling, capability, cuda, needle", [

@@ -1,19 +1,18 @@
-"""Private helper of the te engine (fp8plug/backends/te.py): planning TransformerEngine recipes.
+"""Private helper of the te engine (fp8plug/backends/te.py): specifying TransformerEngine recipes.
 
-FP8RecipeKwargs -> which TE recipe class, with which arguments, and what TE cannot honour
-(`plan_te_recipe`, pure, so it is tested without TE); which scalings a GPU can run
-(`scaling_hardware_problem`); TE 2.x's missing `interval` (`IntervalScaling`). Imported by te.py only.
+The engine's plan (te.TEPlan) -> which TE recipe class, with which arguments, and what the
+installed TE cannot honour (`te_recipe_spec`, pure, so it is tested without TE); which scalings a
+GPU can run (`scaling_hardware_problem`); TE 2.x's missing `interval` (`IntervalScaling`).
+Imported by te.py only.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
-
-from ..recipe import DEFAULTS
 
 RECIPE_CLASSES = {
     "delayed": "DelayedScaling",
@@ -38,31 +37,34 @@ def warn_once(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-# --- recipes: pure planning (testable without TE), then building -------------------------------------
+# --- recipes: a pure specification (testable without TE), then building ----------------------------
 
 
 @dataclass(frozen=True)
-class TERecipePlan:
-    """Which TE recipe class to build, with which arguments, and what could not be honoured.
+class TERecipeSpec:
+    """Which TE recipe class to build, with which arguments, and what this TE cannot honour.
 
     `kwargs` holds plain values (fp8_format as a name, "HYBRID" or "E4M3"); `interval` > 1 asks the
-    builder for an IntervalScaling scaling_factor_compute_algo; `warnings` are the messages about
-    fields TE cannot honour.
+    builder for an IntervalScaling scaling_factor_compute_algo; `notes` are (field, value, why)
+    for the fields the installed TE cannot honour (te.py words them as every ignored field is).
     """
 
     scaling: str
     class_name: str
     kwargs: Tuple[Tuple[str, Any], ...]
     interval: int = 1
-    warnings: Tuple[str, ...] = ()
+    notes: Tuple[Tuple[str, Any, str], ...] = ()
 
     def kwargs_dict(self) -> Dict[str, Any]:
         return dict(self.kwargs)
 
 
-def plan_te_recipe(recipe, scaling: str, fields: Mapping[str, frozenset], te_version: str = "?") -> TERecipePlan:
-    """Map an FP8RecipeKwargs to a TE recipe, given the installed TE's recipe classes and their
-    dataclass fields (`fields`: class name -> field names; old TE has fields new TE dropped)."""
+def te_recipe_spec(plan, fields: Mapping[str, frozenset], te_version: str = "?") -> TERecipeSpec:
+    """Map a te.TEPlan to a TE recipe, given the installed TE's recipe classes and their
+    dataclass fields (`fields`: class name -> field names; old TE has fields new TE dropped).
+    The plan holds only what the engine honours under its scaling: fp8_format None keeps the
+    TE recipe's own format."""
+    scaling = plan.scaling
     class_name = RECIPE_CLASSES[scaling]
     if class_name not in fields:
         raise ValueError(
@@ -71,49 +73,29 @@ def plan_te_recipe(recipe, scaling: str, fields: Mapping[str, frozenset], te_ver
             "(pip install --upgrade \"transformer_engine[pytorch]\") or choose another scaling."
         )
     have = fields[class_name]
-    explicit = getattr(recipe, "is_explicit", lambda name: True)
     kwargs: Dict[str, Any] = {}
     notes = []
     interval = 1
+    if plan.fp8_format is not None:
+        kwargs["fp8_format"] = plan.fp8_format
 
     if scaling == "delayed":
-        kwargs.update(
-            margin=recipe.margin, fp8_format=recipe.fp8_format, amax_history_len=recipe.amax_history_len,
-            amax_compute_algo=recipe.amax_compute_algo,
-        )
-        if not getattr(recipe, "reduce_amax", True) and "reduce_amax" in have:
+        kwargs.update(margin=plan.margin, amax_history_len=plan.amax_history_len,
+                      amax_compute_algo=plan.amax_compute_algo)
+        if not plan.reduce_amax and "reduce_amax" in have:
             kwargs["reduce_amax"] = False  # TE's own switch: amaxes reduced across the fp8 group or not
-        if recipe.interval != 1:
+        if plan.interval != 1:
             if "interval" in have:
-                kwargs["interval"] = recipe.interval
+                kwargs["interval"] = plan.interval
             elif "scaling_factor_compute_algo" in have:
-                interval = recipe.interval
+                interval = plan.interval
             else:
-                notes.append(
-                    f"FP8RecipeKwargs.interval={recipe.interval} is ignored: TransformerEngine {te_version} "
-                    "recomputes delayed scaling factors every step and has no hook to change that."
-                )
-    else:
-        if scaling in ("current", "block", "mxfp8") and (scaling == "current" or explicit("fp8_format")):
-            kwargs["fp8_format"] = recipe.fp8_format
-        if scaling == "mxfp8" and "margin" in have and recipe.margin:
-            kwargs["margin"] = recipe.margin
-        if scaling == "nvfp4" and explicit("fp8_format") and recipe.fp8_format != "E4M3":
-            notes.append(
-                f"FP8RecipeKwargs.fp8_format={recipe.fp8_format!r} is ignored with scaling='nvfp4': NVFP4 "
-                "stores E2M1 values with E4M3 block scales, whatever the format."
-            )
-        delayed_only = ["interval", "amax_history_len", "amax_compute_algo"]
-        if scaling != "mxfp8":
-            delayed_only.insert(0, "margin")
-        for name in delayed_only:
-            if explicit(name) and getattr(recipe, name) != _delayed_default(name):
-                notes.append(
-                    f"FP8RecipeKwargs.{name}={getattr(recipe, name)!r} is ignored with scaling={scaling!r}: "
-                    "it only applies to delayed scaling (scaling='delayed')."
-                )
+                notes.append(("interval", plan.interval, f"TransformerEngine {te_version} recomputes delayed "
+                              "scaling factors every step and has no hook to change that"))
+    elif scaling == "mxfp8" and "margin" in have and plan.margin:
+        kwargs["margin"] = plan.margin
 
-    override = tuple(recipe.override_linear_precision)
+    override = tuple(plan.override_linear_precision)
     if override != DEFAULT_OVERRIDE:
         if "override_linear_precision" in have:
             kwargs["override_linear_precision"] = override
@@ -121,22 +103,16 @@ def plan_te_recipe(recipe, scaling: str, fields: Mapping[str, frozenset], te_ver
             kwargs["backward_override"] = "high_precision"
         else:
             hint = (
-                " Use scaling='current' (or 'block') with override_linear_precision=(False, True, True) "
-                "to run both backward GEMMs in high precision."
+                "; use scaling='current' (or 'block') with override_linear_precision=(False, True, True) "
+                "to run both backward GEMMs in high precision"
                 if override == BACKWARD_HIGH_PRECISION
-                else " TransformerEngine 2.x can only run dgrad and wgrad together in high precision "
+                else "; TransformerEngine 2.x can only run dgrad and wgrad together in high precision "
                 "(override_linear_precision=(False, True, True), not with delayed scaling); for fprop, leave "
-                "the layer out of FP8 with modules_to_ignore."
+                "the layer out of FP8 with modules_to_ignore"
             )
-            notes.append(
-                f"FP8RecipeKwargs.override_linear_precision={override} is ignored: {class_name} in "
-                f"TransformerEngine {te_version} cannot run that GEMM alone in high precision.{hint}"
-            )
-    return TERecipePlan(scaling, class_name, tuple(sorted(kwargs.items())), interval, tuple(notes))
-
-
-def _delayed_default(name: str):
-    return DEFAULTS[name]
+            notes.append(("override_linear_precision", override, f"{class_name} in TransformerEngine {te_version} "
+                          f"cannot run that GEMM alone in high precision{hint}"))
+    return TERecipeSpec(scaling, class_name, tuple(sorted(kwargs.items())), interval, tuple(notes))
 
 
 def _version_tuple(text: Optional[str]) -> Tuple[int, ...]:
@@ -165,7 +141,7 @@ def scaling_hardware_problem(scaling: str, capability: Tuple[int, int], cuda_ver
         if capability < (9, 0):
             return (f"FP8RecipeKwargs.scaling='block' needs compute capability 9.0 or newer (Hopper); "
                     f"{gpu} is {sm}. Use scaling='delayed' or 'current'.")
-        if _version_tuple(cuda_version)[:2] < (12, 9):
+        if cuda_version is not None and _version_tuple(cuda_version)[:2] < (12, 9):
             return (f"FP8RecipeKwargs.scaling='block' needs CUDA 12.9 or newer; this torch is built "
                     f"for CUDA {cuda_version}. Use scaling='delayed' or 'current'.")
         return None
@@ -211,16 +187,6 @@ class IntervalScaling:
 
     def __repr__(self) -> str:
         return f"IntervalScaling(interval={self.interval})"
-
-
-@dataclass
-class GivenTERecipe:
-    """A TransformerEngine recipe object passed as is (e.g. to contextual_fp8_autocast)."""
-
-    te_recipe: Any
-    use_autocast_during_eval: bool = False
-    modules_to_ignore: Any = None
-    module_filter_fn: Any = field(default=None, repr=False)
 
 
 def recipe_kind(te_recipe) -> str:

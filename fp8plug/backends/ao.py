@@ -4,9 +4,10 @@ fp8plug decides which modules convert (convert.plan_conversion: exact nn.Linear,
 modules_to_ignore, module_filter_fn) and hands exactly those names to torchao's
 `convert_to_float8_training`, which builds its Float8Linear modules (dynamic scaling: tensorwise,
 rowwise, rowwise_with_gw_hp, or any torchao Float8LinearConfig). FP8RecipeKwargs is mapped where
-torchao has the concept: fp8_format picks the grad_output dtype, override_linear_precision turns
-one GEMM's operand casts off (ScalingType.DISABLED); delayed-scaling fields only warn, since
-torchao removed delayed scaling in 0.10.
+torchao has the concept (AOPlan, made once per selection): fp8_format picks the grad_output dtype,
+override_linear_precision turns one GEMM's operand casts off (ScalingType.DISABLED); the
+delayed-scaling fields are not honoured (torchao removed delayed scaling in 0.10), so setting
+one warns (fp8plug.plans).
 
 Each converted module is then given fp8plug's class `AOFloat8Linear`, a Float8Linear whose only
 change is the forward's choice between torchao's FP8 path and a plain high-precision F.linear:
@@ -29,7 +30,8 @@ import dataclasses
 import functools
 import sys
 import warnings
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ from ..convert import (
     ALIGNMENT, ConversionError, ConversionReport, linear_alignment_problem, plain_linear, plan_conversion,
     module_paths, record_converted, replace_module,
 )
-from ..recipe import DEFAULTS
+from ..plans import Plan, Settings, ignored_message
 from ..steps import track
 from ..torchao_config import (
     MX_BLOCK, build_float8_config, float8_all_gather_problem, is_mx_training_config, needs_emulation, scaling_of,
@@ -48,8 +50,9 @@ from .base import Engine, Probe, Speed, probe_import
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
 
-# FP8RecipeKwargs fields that only delayed scaling reads.
-DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo")
+# FP8RecipeKwargs fields that only delayed scaling reads, which torchao does not have.
+DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")
+NO_OVERRIDE = (False, False, False)
 
 
 # --- the module -----------------------------------------------------------------------------------
@@ -126,6 +129,29 @@ def __getattr__(name):
 # --- the engine ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class AOPlan(Plan):
+    """How the ao engine gets its torchao config (besides the shared Plan).
+
+    `torchao_config`: a finished torchao config used as it is (an MXFP8 training config given as
+    FP8RecipeKwargs.ao_config). Otherwise one is built from `base_config`
+    (FP8RecipeKwargs.ao_config; None: torchao's recipe named `scaling`) with, on top:
+    `fp8_format` and `override_linear_precision` (None keeps the base's casts), `pad_inner_dim`
+    and `emulate` (None keeps the base's), and float8 all-gather where
+    `enable_fsdp_float8_all_gather`; a config that cannot all-gather in float8 is then an error
+    where it was asked for as an argument (`all_gather_asked`), else a warning.
+    """
+
+    torchao_config: Any = field(default=None, compare=False)
+    base_config: Any = field(default=None, compare=False)
+    fp8_format: Optional[str] = None
+    override_linear_precision: Optional[Tuple[bool, bool, bool]] = None
+    pad_inner_dim: Optional[bool] = None
+    emulate: Optional[bool] = None
+    enable_fsdp_float8_all_gather: bool = False
+    all_gather_asked: bool = False
+
+
 class AOEngine(Engine):
     """torchao float8 training (see the module doc)."""
 
@@ -135,108 +161,106 @@ class AOEngine(Engine):
     runs_on_cpu = True
     scalings = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
     counts_gemms = True
+    honours = frozenset({"fp8_format", "override_linear_precision", "pad_inner_dim", "enable_fsdp_float8_all_gather",
+                         "ao_config", "use_autocast_during_eval"})
+    plan_class = AOPlan
     measured = {"compiled": Speed(1.29), "eager": Speed(0.44)}
 
     def probe(self) -> Probe:
         return probe_import("torchao.float8", lambda m: __import__("torchao").__version__)
 
-    def scaling_name(self, recipe) -> str:
-        if recipe.scaling in ("delayed", "dynamic", "current"):
-            hint = "; for delayed scaling use backend='native' or 'te'" if recipe.scaling == "delayed" else ""
+    def scaling_name(self, scaling) -> str:
+        if scaling in ("delayed", "dynamic", "current"):
+            hint = "; for delayed scaling use backend='native' or 'te'" if scaling == "delayed" else ""
             raise ValueError(
-                f"FP8RecipeKwargs.scaling: {recipe.scaling!r} is not a torchao float8 recipe (torchao scales "
+                f"FP8RecipeKwargs.scaling: {scaling!r} is not a torchao float8 recipe (torchao scales "
                 f"every tensor dynamically); use one of {', '.join(self.scalings)}{hint}."
             )
-        if recipe.ao_config is not None and recipe.scaling is None:
-            return scaling_of(recipe.ao_config)  # a whole config: the scaling it gives
-        return super().scaling_name(recipe)
+        return super().scaling_name(scaling)
 
-    # recipe -> config ------------------------------------------------------------------------------
-    def float8_config(self, recipe):
-        """The torchao Float8LinearConfig for an FP8RecipeKwargs (or its `ao_config` where that is
-        an MXFP8 training config, which takes no other field).
+    def why_ignored(self, name: str, scaling: str) -> str:
+        if name in DELAYED_FIELDS:
+            return ("torchao removed delayed scaling in 0.10 and scales every tensor dynamically; for delayed "
+                    "scaling use backend='native' or 'te'")
+        return super().why_ignored(name, scaling)
 
-        Named recipes start from Float8LinearConfig.from_recipe_name; `recipe.ao_config` is taken
-        whole, with only the fields the user passed explicitly applied on top. fp8_format applies
-        to tensorwise always (HYBRID is its own default) and to the rowwise recipes, which are
-        E4M3 throughout by design, only when passed explicitly.
-        """
-        from torchao.float8 import Float8LinearConfig
-
-        self._warn_delayed_fields(recipe)
-        if recipe.ao_config is not None:
-            if is_mx_training_config(recipe.ao_config):
-                given = [n for n in ("scaling", "fp8_format", "override_linear_precision", "pad_inner_dim",
-                                     "enable_fsdp_float8_all_gather") if recipe.is_explicit(n)]
-                if given:
-                    raise ValueError(f"FP8RecipeKwargs.{given[0]}: applies to torchao float8, not to an MXFP8 "
-                                     "ao_config; leave it unset.")
-                return recipe.ao_config
-            if not isinstance(recipe.ao_config, Float8LinearConfig):
-                raise ValueError(
-                    "FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig (or torchao's "
-                    f"MXFP8 training config), got {type(recipe.ao_config).__name__}."
-                )
-            if recipe.is_explicit("scaling"):
+    # recipe -> plan -> config ------------------------------------------------------------------------
+    def make_plan(self, settings: Settings) -> AOPlan:
+        """A named recipe (`scaling`) takes every field from the recipe, environment included;
+        fp8_format applies to tensorwise always (HYBRID is its own default) and to the rowwise
+        recipes, which are E4M3 throughout by design, only when passed as an argument. A whole
+        `ao_config` keeps its own settings except those passed as arguments."""
+        s = settings
+        if is_mx_training_config(s.ao_config):  # torchao's MXFP8 training config, used as given
+            given = [n for n in ("scaling", "fp8_format", "override_linear_precision", "pad_inner_dim",
+                                 "enable_fsdp_float8_all_gather") if s.argument(n) is not None]
+            if given:
+                raise ValueError(f"FP8RecipeKwargs.{given[0]}: applies to torchao float8, not to an MXFP8 "
+                                 "ao_config; leave it unset.")
+            return AOPlan(torchao_config=s.ao_config, scaling=scaling_of(s.ao_config))
+        if s.ao_config is not None:
+            if s.argument("scaling") is not None:
                 raise ValueError(
                     "FP8RecipeKwargs: give either scaling (a torchao recipe name) or ao_config (a whole "
                     "Float8LinearConfig), not both."
                 )
-            base, named = recipe.ao_config, None
-            chosen = recipe.is_explicit
+            chosen = s.argument  # only what the caller passed goes on top of a whole config
         else:
-            named = self.scaling_name(recipe)
-            base = Float8LinearConfig.from_recipe_name(named)
-            chosen = lambda field: True  # noqa: E731 - env and defaults count for a named recipe
-        format_applies = recipe.is_explicit("fp8_format") or named == "tensorwise"
-        fp8_format = recipe.fp8_format if format_applies else None
-        override = recipe.override_linear_precision if chosen("override_linear_precision") else (False, False, False)
-        config = build_float8_config(
-            base, fp8_format=fp8_format, override_linear_precision=override,
-            pad_inner_dim=recipe.pad_inner_dim if chosen("pad_inner_dim") else None,
-            emulate=needs_emulation() if named else None,
+            chosen = functools.partial(getattr, s)  # env and defaults count for a named recipe
+        all_gather = bool(chosen("enable_fsdp_float8_all_gather"))
+        return AOPlan(
+            scaling=scaling_of(s.ao_config) if s.ao_config is not None else "",  # a whole config: what it gives
+            base_config=s.ao_config,
+            fp8_format=s.fp8_format if s.ao_config is None and s.scaling == "tensorwise" else s.argument("fp8_format"),
+            override_linear_precision=chosen("override_linear_precision") or NO_OVERRIDE,
+            pad_inner_dim=chosen("pad_inner_dim"),
+            emulate=needs_emulation() if s.ao_config is None else None,
+            enable_fsdp_float8_all_gather=all_gather,
+            all_gather_asked=all_gather and s.argument("enable_fsdp_float8_all_gather") is not None,
         )
-        if chosen("enable_fsdp_float8_all_gather") and recipe.enable_fsdp_float8_all_gather:
+
+    def float8_config(self, plan):
+        """The torchao config `plan` (or a recipe, made into one) says (see AOPlan)."""
+        from torchao.float8 import Float8LinearConfig
+
+        plan = self.plan_of(plan)
+        if plan.torchao_config is not None:
+            return plan.torchao_config
+        base = plan.base_config
+        if base is None:
+            base = Float8LinearConfig.from_recipe_name(plan.scaling)
+        elif not isinstance(base, Float8LinearConfig):
+            raise ValueError(
+                f"FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig, got {type(base).__name__}."
+            )
+        config = build_float8_config(
+            base, fp8_format=plan.fp8_format, override_linear_precision=plan.override_linear_precision or NO_OVERRIDE,
+            pad_inner_dim=plan.pad_inner_dim, emulate=plan.emulate,
+        )
+        if plan.enable_fsdp_float8_all_gather:
             problem = float8_all_gather_problem(config)
             if problem is None:
                 config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-            elif recipe.is_explicit("enable_fsdp_float8_all_gather"):
+            elif plan.all_gather_asked:
                 raise ValueError(f"FP8RecipeKwargs.enable_fsdp_float8_all_gather: cannot be used here: {problem}.")
             else:  # `accelerate launch` exports true by default: not necessarily the user's choice
-                warnings.warn(
-                    f"ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER is true but {problem}; FSDP2 will "
-                    "all-gather these weights in high precision.", UserWarning, stacklevel=3,
-                )
+                warnings.warn(ignored_message(
+                    self, "enable_fsdp_float8_all_gather", True, plan.scaling,
+                    f"{problem}, so FSDP2 will all-gather these weights in high precision (the value came from "
+                    "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER, which `accelerate launch` exports)",
+                ), UserWarning, stacklevel=3)
         return config
 
-    def _warn_delayed_fields(self, recipe) -> None:
-        chosen = [
-            f"{name}={getattr(recipe, name)!r}" for name in DELAYED_FIELDS
-            if recipe.is_explicit(name) and getattr(recipe, name) != DEFAULTS[name]
-        ]
-        if chosen:
-            warnings.warn(
-                f"FP8RecipeKwargs {', '.join(chosen)} has no effect with backend='ao': torchao removed "
-                "delayed scaling in 0.10 and scales every tensor dynamically. Use backend='native' "
-                "(or 'te') for delayed scaling.", UserWarning, stacklevel=3,
-            )
-
     # conversion ------------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, recipe) -> ConversionReport:
+    def convert(self, model: nn.Module, plan) -> ConversionReport:
+        """Convert `model` in place with the torchao config `plan` says (a Float8LinearConfig, or an
+        MXFP8 training config: fp8plug.torchao_config.mx_training_config), under the shared rules."""
         self.require()
-        config = self.float8_config(recipe)
+        plan = self.plan_of(plan)
+        config = self.float8_config(plan)
+        modules_to_ignore, module_filter_fn = plan.modules_to_ignore, plan.module_filter_fn
         if is_mx_training_config(config):
-            return _convert_mx(self, model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
-        return self._convert_float8(model, config, recipe.modules_to_ignore, recipe.module_filter_fn)
-
-    def _convert_float8(
-        self,
-        model: nn.Module,
-        config,
-        modules_to_ignore: Optional[Sequence[str]] = None,
-        module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-    ) -> ConversionReport:
-        """Convert `model` in place with a torchao Float8LinearConfig, under the shared rules."""
+            return _convert_mx(self, model, config, modules_to_ignore, module_filter_fn)
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
@@ -281,7 +305,7 @@ class AOEngine(Engine):
         return isinstance(input, torch.Tensor) and _fp8_now(module, input)
 
     # running ---------------------------------------------------------------------------------------
-    def autocast(self, recipe, enabled: bool = True):
+    def autocast(self, plan=None, enabled: bool = True):
         """FP8 (enabled) or high precision (disabled) for every fp8plug torchao module inside the
         block; the shared region flag (backends.region), so it also governs native layers."""
         return fp8_region(enabled)

@@ -1,8 +1,9 @@
 """The protocol every FP8 engine implements, the small records it returns, and the errors it raises.
 
 An engine is one class in one file (fp8plug/backends/<name>.py): it says whether it can run (and
-why not), checks a recipe against what it can do, converts a model's modules to its own and
-back, gives the autocast context its modules need, and may adapt the optimizer and the state
+why not), declares the recipe fields it honours and turns them into its own frozen plan once
+(`make_plan`, through fp8plug.plans), converts a model's modules to its own and back with that
+plan, gives the autocast context its modules need, and may adapt the optimizer and the state
 dict. Everything outside fp8plug/backends/ talks to an engine only through the methods below;
 each has a default, so every engine answers every question. An engine file imports this module
 and shared helpers (fp8plug.convert, fp8plug.scaling, backends.padding, backends.region), never
@@ -17,16 +18,15 @@ import importlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..convert import ConversionReport
 from ..hardware import DeviceInfo
-
-if TYPE_CHECKING:
-    from ..recipe import FP8RecipeKwargs
+from ..plans import Plan, Settings, default_acts_as, default_why, make_plan
+from ..recipe import FP8RecipeKwargs
 
 
 class BackendUnavailableError(RuntimeError):
@@ -134,6 +134,13 @@ class Engine:
     clips_gradients: ClassVar[bool] = False
     # `runs_fp8` says per call whether a converted Linear runs FP8, so coverage counts GEMMs
     counts_gemms: ClassVar[bool] = False
+    # The recipe fields this engine reads (besides fp8plug.plans.SHARED), under every scaling and
+    # under one scaling only: `make_plan` can read exactly these, and a field the user passes that
+    # is not among them is warned about (fp8plug.plans), so a new field needs no other edit.
+    honours: ClassVar[FrozenSet[str]] = frozenset()
+    honours_by_scaling: ClassVar[Mapping[str, FrozenSet[str]]] = {}
+    # the engine's plan: `make_plan` returns one, and what its methods take
+    plan_class: ClassVar[type] = Plan
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -171,43 +178,80 @@ class Engine:
             "or backend=None for the automatic choice (`fp8plug env` lists what runs here)."
         )
 
-    def check_recipe(self, recipe: "FP8RecipeKwargs") -> None:
-        """Refuse, with a ValueError naming the field, a recipe this engine cannot honour; called
-        once the engine is chosen, before anything is converted. Default: the scaling must be one
-        of the engine's (scaling_name)."""
-        self.scaling_name(recipe)
+    # the recipe, once -----------------------------------------------------------------------------
+    def honoured(self, scaling: str) -> FrozenSet[str]:
+        """The recipe fields this engine reads under `scaling` (`honours`, `honours_by_scaling`)."""
+        return self.honours | self.honours_by_scaling.get(scaling, frozenset())
 
-    def engine_recipe(self, recipe_object: Any) -> Any:
+    def acts_as(self, name: str, scaling: str):
+        """What the engine does about a field it ignores under `scaling`, as a value of that field:
+        a user's value equal to it changes nothing, so it is not warned about. Default: the
+        recipe's default."""
+        return default_acts_as(name)
+
+    def why_ignored(self, name: str, scaling: str) -> str:
+        """The reason in the warning for a field this engine ignores (fp8plug.plans words it).
+        Default: what the field applies to (recipe.APPLIES_TO)."""
+        return default_why(self, name)
+
+    def make_plan(self, settings: Settings) -> Plan:
+        """This engine's frozen plan from the fields it honours (`settings`, fp8plug.plans.Settings),
+        refusing with a ValueError naming the field what it cannot do; called once per selection by
+        fp8plug.plans.make_plan, which fills in the plan's shared part. Default: no settings of its
+        own."""
+        return self.plan_class()
+
+    def plan_of(self, plan) -> Plan:
+        """`plan` as this engine's plan: its own plan as is; an FP8RecipeKwargs (or None: one from
+        the environment and the defaults) made into one (fp8plug.plans.make_plan, on the current
+        device). Where the engine's methods are called directly with a recipe, this is the one
+        place it becomes a plan."""
+        if isinstance(plan, self.plan_class):
+            return plan
+        if plan is None or isinstance(plan, FP8RecipeKwargs):
+            return make_plan(self, plan)
+        raise TypeError(
+            f"the {self.title} engine takes an fp8plug.FP8RecipeKwargs or its own {self.plan_class.__name__}, "
+            f"not {type(plan).__name__}."
+        )
+
+    def check_recipe(self, recipe) -> None:
+        """Refuse, with a ValueError naming the field, a recipe this engine cannot honour (making
+        its plan does the refusing)."""
+        self.plan_of(recipe)
+
+    def engine_recipe(self, recipe_object: Any) -> Plan:
         """Accept the engine's own recipe object (e.g. a TransformerEngine DelayedScaling) where an
-        FP8RecipeKwargs is expected, returning what `autocast` takes. Default: refused."""
+        FP8RecipeKwargs is expected, returning the plan `autocast` takes. Default: refused."""
         raise TypeError(
             f"fp8_recipe: give an fp8plug.FP8RecipeKwargs; the {self.title} engine has no recipe objects "
             f"of its own, so {type(recipe_object).__name__} cannot be used."
         )
 
-    def scaling_name(self, recipe: "FP8RecipeKwargs") -> str:
-        """The scaling recipe this engine will use: the recipe's choice, checked, or the default."""
-        if recipe.scaling is None:
+    def scaling_name(self, scaling: Optional[str]) -> str:
+        """The scaling recipe this engine will use for FP8RecipeKwargs.scaling = `scaling`: that
+        one, checked, or the default (the first of `scalings`) for None."""
+        if scaling is None:
             return self.scalings[0]
-        if recipe.scaling not in self.scalings:
+        if scaling not in self.scalings:
             raise ValueError(
-                f"FP8RecipeKwargs.scaling: {recipe.scaling!r} is not a {self.title} recipe; "
+                f"FP8RecipeKwargs.scaling: {scaling!r} is not a {self.title} recipe; "
                 f"use one of {', '.join(self.scalings)}."
             )
-        return recipe.scaling
+        return scaling
 
     # conversion ---------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, recipe: "FP8RecipeKwargs") -> "ConversionReport":
-        """Swap the eligible modules of `model` (in place) for this engine's FP8 modules."""
+    def convert(self, model: nn.Module, plan) -> "ConversionReport":
+        """Swap the eligible modules of `model` (in place) for this engine's FP8 modules, as `plan`
+        says (its plan; a recipe is made into one, `plan_of`)."""
         raise NotImplementedError
 
-    def convert_layers(self, model: nn.Module, recipe: "FP8RecipeKwargs", linear: bool = True,
-                       norm: bool = True) -> "ConversionReport":
+    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> "ConversionReport":
         """`convert`, limited to Linear layers (`linear`) and norms (`norm`), as Accelerate's
         convert_model(_convert_linear, _convert_ln) asks. Default, for engines that convert only
         Linears: `convert` when `linear`, else an empty report."""
         if linear:
-            return self.convert(model, recipe)
+            return self.convert(model, plan)
         return ConversionReport(self.name)
 
     def unconvert(self, model: nn.Module) -> nn.Module:
@@ -219,8 +263,9 @@ class Engine:
         return False
 
     # running ------------------------------------------------------------------------------------
-    def autocast(self, recipe: "FP8RecipeKwargs", enabled: bool = True):
-        """The context a forward runs in: FP8 when `enabled`, high precision otherwise."""
+    def autocast(self, plan, enabled: bool = True):
+        """The context a forward runs in: FP8 when `enabled`, high precision otherwise, as `plan`
+        says (engines whose context needs nothing from it ignore it)."""
         return contextlib.nullcontext()
 
     def runs_fp8(self, module: nn.Module, input) -> Optional[bool]:
@@ -230,9 +275,9 @@ class Engine:
         `counts_gemms` is True."""
         return None
 
-    def prepare(self, model: nn.Module, optimizer, recipe: "FP8RecipeKwargs"):
-        """Adapt a (model, optimizer) pair after conversion; most engines need nothing. Called by the
-        Accelerator only where `adapts_optimizer` is True."""
+    def prepare(self, model: nn.Module, optimizer, plan):
+        """Adapt a (model, optimizer) pair after conversion, as `plan` says; most engines need
+        nothing. Called by the Accelerator only where `adapts_optimizer` is True."""
         return model, optimizer
 
     def end_step(self, models, group=None) -> None:

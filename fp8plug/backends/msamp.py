@@ -36,7 +36,7 @@ How MS-AMP differs from the other engines, and what this adapter does about it:
 from __future__ import annotations
 
 import contextlib
-import warnings
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import torch
@@ -44,7 +44,8 @@ from torch import nn
 
 from ..convert import ConversionReport, check_convertible, linear_alignment_problem, plan_conversion, replace_module
 from ..hardware import DeviceInfo
-from ..recipe import OPT_LEVELS
+from ..plans import Plan, Settings
+from ..recipe import DEFAULTS, OPT_LEVELS
 from .base import Engine, Probe, probe_import
 
 CANNOT_INSTALL = (
@@ -58,9 +59,13 @@ SKIP_MARK = "use_fp32_linear"  # MS-AMP's LinearReplacer leaves a Linear carryin
 _OUR_MARK = "_fp8plug_msamp_skip"  # set beside SKIP_MARK where fp8plug (not the user) set it
 _PLANNED = "_fp8plug_msamp_planned"
 _PREPARED = "_fp8plug_msamp_prepared"
-# Recipe fields MS-AMP has no setting for (its scaling windows and formats are its own).
-_UNUSED_FIELDS = ("margin", "interval", "fp8_format", "amax_history_len", "amax_compute_algo",
-                  "override_linear_precision", "scaling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MSAMPPlan(Plan):
+    """What msamp.initialize gets besides the model and optimizer: MS-AMP's optimisation level."""
+
+    opt_level: str = DEFAULTS["opt_level"]
 
 
 def is_scaling_tensor(value) -> bool:
@@ -103,28 +108,43 @@ class MSAMPEngine(Engine):
             return False, f"MS-AMP runs only on CUDA GPUs (compute capability 8.9+ for FP8 GEMMs), not {device.describe()}"
         return super().supports(device)
 
-    def check_recipe(self, recipe) -> None:
+    # MS-AMP's scaling windows and formats are its own: of the recipe it reads only the level
+    honours = frozenset({"opt_level"})
+    plan_class = MSAMPPlan
+
+    def make_plan(self, settings: Settings) -> MSAMPPlan:
         """MS-AMP's refusals: opt_level 'O3' (DeepSpeed only), and optimizer_states (MS-AMP keeps its
         own low-precision optimizer states)."""
-        super().check_recipe(recipe)
-        _opt_level(recipe)
-        if getattr(recipe, "optimizer_states", None) is not None:
+        if settings.optimizer_states is not None:
             raise ValueError(
                 "FP8RecipeKwargs.optimizer_states: MS-AMP keeps its own low-precision optimizer states "
                 "(opt_level='O2': FP8 first moment, FP16 second); leave optimizer_states None with "
                 "backend='msamp'."
             )
+        return MSAMPPlan(opt_level=_opt_level(settings.opt_level))
+
+    def acts_as(self, name: str, scaling: str):
+        if name == "use_autocast_during_eval":
+            return True  # MS-AMP's FP8Linear runs FP8 in eval too
+        return super().acts_as(name, scaling)
+
+    def why_ignored(self, name: str, scaling: str) -> str:
+        if name == "use_autocast_during_eval":
+            return ("MS-AMP's FP8Linear has no high-precision mode, so eval runs FP8 GEMMs too; evaluate an "
+                    "unconverted copy for high-precision metrics")
+        return "MS-AMP has no such setting (its scaling is its own)"
 
     # conversion ---------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, recipe) -> ConversionReport:
+    def convert(self, model: nn.Module, plan) -> ConversionReport:
         """Plan MS-AMP's conversion without doing it: MS-AMP converts inside msamp.initialize, which
         needs the optimizer too (see prepare). The report lists the Linears it will turn into FP8
         under the shared rules; each Linear the rules leave alone is marked `use_fp32_linear`, so
         MS-AMP leaves it alone too. Calling it again re-plans (marks are recomputed)."""
+        plan = self.plan_of(plan)
         _clear_our_marks(model)
         targets, report = plan_conversion(
             model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            recipe.modules_to_ignore, recipe.module_filter_fn,
+            plan.modules_to_ignore, plan.module_filter_fn,
         )
         chosen = set()
         for fqn, module in targets:
@@ -163,7 +183,7 @@ class MSAMPEngine(Engine):
         return cls.__name__ == "FP8Linear" and cls.__module__.split(".")[0] == "msamp"
 
     # running ------------------------------------------------------------------------------------
-    def autocast(self, recipe, enabled: bool = True):
+    def autocast(self, plan=None, enabled: bool = True):
         """Nothing to enter: MS-AMP's FP8Linear always runs FP8 GEMMs, in eval too."""
         return contextlib.nullcontext()
 
@@ -175,8 +195,8 @@ class MSAMPEngine(Engine):
             "under DeepSpeed, or accelerate's own MS-AMP path."
         )
 
-    def prepare(self, model: nn.Module, optimizer, recipe):
-        """msamp.initialize(model, optimizer, opt_level) on the pair, after checking what MS-AMP
+    def prepare(self, model: nn.Module, optimizer, plan):
+        """msamp.initialize(model, optimizer, plan.opt_level) on the pair, after checking what MS-AMP
         would otherwise fail on obscurely; returns MS-AMP's (model, optimizer)."""
         if optimizer is None:
             raise ValueError(
@@ -184,8 +204,7 @@ class MSAMPEngine(Engine):
                 f"optimizer, opt_level)), but no optimizer steps {type(model).__name__}'s parameters; pass "
                 "the model and its torch.optim.Adam/AdamW to prepare() together."
             )
-        self.check_recipe(recipe)
-        level = _opt_level(recipe)
+        plan = self.plan_of(plan)
         check_convertible(model, "the msamp engine must initialize the model before wrapping: ")
         if getattr(model, _PREPARED, False):
             raise ValueError(
@@ -193,13 +212,12 @@ class MSAMPEngine(Engine):
                 "model once. Prepare a fresh model."
             )
         _check_optimizer(model, optimizer)
-        _warn_unused(recipe)
         if not getattr(model, _PLANNED, False):
-            self.convert(model, recipe)
+            self.convert(model, plan)
         import msamp
 
         was_adamw = isinstance(optimizer, torch.optim.AdamW)
-        new_model, new_optimizer = msamp.initialize(model, optimizer, opt_level=level)
+        new_model, new_optimizer = msamp.initialize(model, optimizer, opt_level=plan.opt_level)
         if was_adamw and getattr(new_optimizer, "use_adam", False):
             raise RuntimeError(
                 f"msamp.initialize turned torch.optim.AdamW into {type(new_optimizer).__name__} (Adam with "
@@ -239,10 +257,10 @@ def _clear_our_marks(model: nn.Module) -> None:
             delattr(module, _OUR_MARK)
 
 
-def _opt_level(recipe) -> str:
+def _opt_level(value) -> str:
     """The level msamp.initialize gets: the recipe's (FP8RecipeKwargs checked it is one of
     MS-AMP's OPT_LEVELS), refusing 'O3', which msamp.initialize does not take."""
-    level = str(getattr(recipe, "opt_level", "O2") or "O2").strip().upper()
+    level = str(value or "O2").strip().upper()
     driven = ", ".join(name for name in OPT_LEVELS if name != "O3")
     if level == "O3":
         raise ValueError(
@@ -277,22 +295,6 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
             f"the optimizer steps {foreign} tensor(s) that are not parameters of {type(model).__name__}; "
             "msamp.initialize maps the optimizer onto the model's parameters, so build the optimizer over "
             "model.parameters() only."
-        )
-
-
-def _warn_unused(recipe) -> None:
-    explicit = getattr(recipe, "is_explicit", lambda name: False)
-    unused = [name for name in _UNUSED_FIELDS if explicit(name)]
-    if unused:
-        warnings.warn(
-            f"FP8RecipeKwargs {', '.join(unused)}: MS-AMP has no such setting (its scaling is its own), so "
-            "the msamp engine ignores them.", UserWarning, stacklevel=3,
-        )
-    if explicit("use_autocast_during_eval") and not recipe.use_autocast_during_eval:
-        warnings.warn(
-            "FP8RecipeKwargs.use_autocast_during_eval=False: MS-AMP's FP8Linear has no high-precision mode, "
-            "so eval runs FP8 GEMMs too; evaluate an unconverted copy for high-precision metrics.",
-            UserWarning, stacklevel=3,
         )
 
 

@@ -14,7 +14,7 @@ compiles with fullgraph=True.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from ..convert import (
     swap_modules,
 )
 from ..fp8_gemm import scaled_mm
+from ..plans import Plan, Settings
+from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
     E5M2,
@@ -336,6 +338,39 @@ def _direct_layers_engine() -> "NativeEngine":
     return _DIRECT[0]
 
 
+@dataclass(frozen=True, kw_only=True)
+class NativePlan(Plan):
+    """What NativeFP8Linear is built with (besides the shared Plan): the FP8 format, delayed
+    scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
+    whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
+    weight, grad_output), where the recipe's `scaling` gave one mode per tensor, replaces the one
+    `scaling` for all three. Defaults: FP8RecipeKwargs'."""
+
+    fp8_format: str = DEFAULTS["fp8_format"]
+    margin: int = DEFAULTS["margin"]
+    interval: int = DEFAULTS["interval"]
+    amax_history_len: int = DEFAULTS["amax_history_len"]
+    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
+    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
+    reduce_amax: bool = DEFAULTS["reduce_amax"]
+    tensor_scalings: Optional[Tuple[str, str, str]] = None
+
+    def describe_scaling(self) -> str:
+        return "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
+
+    def layer_options(self) -> dict:
+        """NativeFP8Linear's keyword options."""
+        return dict(
+            scaling=self.tensor_scalings or self.scaling or NativeEngine.scalings[0], fp8_format=self.fp8_format,
+            margin=self.margin, interval=self.interval, amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo, override_linear_precision=self.override_linear_precision,
+            reduce_amax=self.reduce_amax,
+        )
+
+
+DELAYED_FIELDS = frozenset({"margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
+
+
 class NativeEngine(Engine):
     """fp8plug's own engine: always importable, runs on the CPU and on CUDA sm_89+."""
 
@@ -345,6 +380,9 @@ class NativeEngine(Engine):
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
     counts_gemms = True
+    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
+    honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
+    plan_class = NativePlan
     # compiled, dynamic ties delayed (1.316x against 1.310x) and reaches its first step sooner;
     # eager (session 10, H100), dynamic through the Triton cast 77.3-77.5k tok/s against bf16
     # compiled's 75.9k, delayed 76.5k (its per-step bookkeeping leaves the GPU idle 8 ms a step)
@@ -355,25 +393,23 @@ class NativeEngine(Engine):
             return Probe(False, reason=f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes")
         return Probe(True, version=f"torch {torch.__version__}")
 
-    def scaling_name(self, recipe):
-        """The recipe's scaling, checked: one mode for all three tensors, or a mode per tensor as
-        (input, weight, grad_output), which NativeFP8Linear takes as it is."""
-        if isinstance(recipe.scaling, tuple) and all(mode in self.scalings for mode in recipe.scaling):
-            return recipe.scaling
-        return super().scaling_name(recipe)
+    def scaling_name(self, scaling) -> str:
+        """The scaling that decides which recipe fields apply: a mode per tensor (input, weight,
+        grad_output; a recipe's `scaling` may be such a tuple, as fp8plug.float8's torchao-shaped
+        configs give it) counts as delayed where any tensor is, else dynamic."""
+        if isinstance(scaling, tuple) and len(scaling) == 3 and all(mode in self.scalings for mode in scaling):
+            return "delayed" if "delayed" in scaling else "dynamic"
+        return super().scaling_name(scaling)
 
-    def options(self, recipe) -> dict:
-        """NativeFP8Linear's keyword options for an FP8RecipeKwargs."""
-        return dict(
-            scaling=self.scaling_name(recipe), fp8_format=recipe.fp8_format, margin=recipe.margin,
-            interval=recipe.interval, amax_history_len=recipe.amax_history_len,
-            amax_compute_algo=recipe.amax_compute_algo,
-            override_linear_precision=recipe.override_linear_precision,
-            reduce_amax=getattr(recipe, "reduce_amax", True),
-        )
+    def make_plan(self, settings: Settings) -> NativePlan:
+        delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & DELAYED_FIELDS}
+        given = settings.values["scaling"]  # the recipe's own value: a tuple gives one mode per tensor
+        return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
+                          tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
 
-    def convert(self, model: nn.Module, recipe) -> ConversionReport:
-        return self._convert(model, self.options(recipe), recipe.modules_to_ignore, recipe.module_filter_fn)
+    def convert(self, model: nn.Module, plan) -> ConversionReport:
+        plan = self.plan_of(plan)
+        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn)
 
     def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn) -> ConversionReport:
         targets, report = plan_conversion(
@@ -396,7 +432,7 @@ class NativeEngine(Engine):
     def is_converted(self, module: nn.Module) -> bool:
         return isinstance(module, NativeFP8Linear)
 
-    def autocast(self, recipe, enabled: bool = True):
+    def autocast(self, plan=None, enabled: bool = True):
         return fp8_region(enabled)
 
     def runs_fp8(self, module: nn.Module, input) -> bool:

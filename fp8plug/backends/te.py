@@ -25,14 +25,17 @@ What it does, and why:
      `is_first_microbatch=is_first` unless the caller passes it. True on the first micro-batch
      after an optimizer step, False on the others: TE then quantizes each weight once per step
      and reuses the FP8 copy. Never leave it False across an optimizer step (stale weights).
-- Recipes come from FP8RecipeKwargs (`_te_recipes.plan_te_recipe`, pure, so it is tested without TE):
+- Recipes: the engine's plan (TEPlan, made once from FP8RecipeKwargs through fp8plug.plans,
+  holding only the fields TE honours under the chosen scaling) becomes a TE recipe object
+  (`_te_recipes.te_recipe_spec`, pure, so it is tested without TE, then `build_recipe`):
   "delayed" -> DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo);
   "current" -> Float8CurrentScaling; "block" -> Float8BlockScaling (sm_90+, CUDA >= 12.9);
   "mxfp8" -> MXFP8BlockScaling and "nvfp4" -> NVFP4BlockScaling (sm_100: refused elsewhere).
   Fields TE 2.x dropped: `interval` > 1 is honoured through DelayedScaling's
   scaling_factor_compute_algo (`IntervalScaling`); override_linear_precision=(False, True, True)
-  becomes backward_override="high_precision" on recipes that have it. Anything TE cannot do is
-  warned about once per process, never dropped silently.
+  becomes backward_override="high_precision" on recipes that have it. A field passed that the
+  scaling does not use is warned about when the plan is made (fp8plug.plans); one the installed
+  TE cannot do, once per process when its recipe is built; never dropped silently.
 - Checkpoints: `plain_state_dict` drops TE's `_extra_state` entries; converted modules carry a
   load_state_dict pre-hook that supplies them, so a plain checkpoint loads strictly.
   `fp8_state` / `load_fp8_state` carry the delayed-scaling amax histories and scales as plain
@@ -49,7 +52,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -57,18 +61,44 @@ from torch import nn
 from ..convert import (
     ALIGNMENT, ConversionReport, linear_alignment_problem, plain_linear, plan_conversion, replace_module, swap_modules,
 )
+from ..hardware import DeviceInfo
+from ..plans import Plan, Settings, ignored_message
+from ..recipe import DEFAULTS
 from ._te_import import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from ._te_layers import (
     accept_plain_state_dict, drop_extra_state, gemm_alignment, load_plain_state_dict, microbatch, te_linear_class,
     te_module_types,
 )
 from ._te_recipes import (
-    RECIPE_CLASSES, GivenTERecipe, IntervalScaling, TERecipePlan, plan_te_recipe, recipe_kind,
-    scaling_hardware_problem, warn_once,
+    RECIPE_CLASSES, IntervalScaling, TERecipeSpec, recipe_kind, scaling_hardware_problem, te_recipe_spec, warn_once,
 )
 from .base import Engine, Probe, Speed, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the recipe fields that go into a TE recipe object (delayed scaling reads them all)
+SCALING_FIELDS = frozenset({"fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TEPlan(Plan):
+    """What the TE recipe object is built from (besides the shared Plan): the fields TE honours
+    under the plan's scaling (the others keep FP8RecipeKwargs' defaults and are not used);
+    fp8_format None keeps the TE recipe's own. `given`: a TE recipe object passed as it is
+    (contextual_fp8_autocast), used instead of building one."""
+
+    fp8_format: Optional[str] = None
+    margin: int = DEFAULTS["margin"]
+    interval: int = DEFAULTS["interval"]
+    amax_history_len: int = DEFAULTS["amax_history_len"]
+    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
+    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
+    reduce_amax: bool = DEFAULTS["reduce_amax"]
+    given: Any = field(default=None, compare=False)
+
+    def recipe_key(self) -> tuple:
+        """What the TE recipe object depends on: plans equal in it share one object."""
+        return (self.scaling, self.fp8_format, self.margin, self.interval, self.amax_history_len,
+                self.amax_compute_algo, tuple(self.override_linear_precision), self.reduce_amax)
 
 
 def __getattr__(name):
@@ -112,6 +142,15 @@ class TEEngine(Engine):
     install_hint = 'pip install --no-build-isolation "transformer_engine[pytorch]"'
     scalings = ("delayed", "current", "block", "mxfp8", "nvfp4")
     counts_gemms = True
+    honours = frozenset({"override_linear_precision", "use_autocast_during_eval"})
+    honours_by_scaling = {
+        "delayed": SCALING_FIELDS,
+        "current": frozenset({"fp8_format"}),
+        "block": frozenset({"fp8_format"}),
+        "mxfp8": frozenset({"fp8_format", "margin"}),
+        "nvfp4": frozenset(),  # E2M1 values with E4M3 block scales, whatever the format
+    }
+    plan_class = TEPlan
     measured = {"compiled": Speed(1.17), "eager": Speed(1.04)}
 
     def __init__(self):
@@ -156,19 +195,16 @@ class TEEngine(Engine):
                 out[class_name] = frozenset(f.name for f in dataclasses.fields(cls))
         return out
 
-    def check_hardware(self, scaling: str) -> None:
-        """Refuse a scaling the current GPU (or TE on it) cannot run, with a clear message."""
-        if not torch.cuda.is_available():
+    def check_hardware(self, scaling: str, device: DeviceInfo) -> None:
+        """Refuse a scaling `device` (or TE on it) cannot run, with a clear message."""
+        if device.type != "cuda":
             return
-        index = torch.cuda.current_device()
-        problem = scaling_hardware_problem(
-            scaling, torch.cuda.get_device_capability(index), torch.version.cuda, torch.cuda.get_device_name(index)
-        )
+        problem = scaling_hardware_problem(scaling, device.capability, device.cuda_version, device.name)
         if problem is None:
             te_check = {
                 "block": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available", "nvfp4": "is_nvfp4_available",
             }.get(scaling, "is_fp8_available")
-            check = getattr(import_te(), te_check, None)
+            check = getattr(self.require(), te_check, None)
             if check is not None:
                 available, reason = check(return_reason=True)
                 if not available:
@@ -176,39 +212,53 @@ class TEEngine(Engine):
         if problem:
             raise ValueError(problem)
 
-    def te_recipe(self, recipe=None):
-        """The TE recipe object for an FP8RecipeKwargs (or a GivenTERecipe's own), built once per
-        distinct setting and device so TE sees the same object every step."""
-        if isinstance(recipe, GivenTERecipe):
-            return recipe.te_recipe
-        if recipe is None:
-            from ..recipe import FP8RecipeKwargs
+    def acts_as(self, name: str, scaling: str):
+        if scaling == "nvfp4" and name == "fp8_format":
+            return "E4M3"  # NVFP4's block scales are E4M3
+        return super().acts_as(name, scaling)
 
-            recipe = FP8RecipeKwargs(backend="te")
-        scaling = self.scaling_name(recipe)
+    def why_ignored(self, name: str, scaling: str) -> str:
+        if scaling == "nvfp4" and name == "fp8_format":
+            return "NVFP4 stores E2M1 values with E4M3 block scales, whatever the format"
+        return super().why_ignored(name, scaling)
+
+    def make_plan(self, settings: Settings) -> TEPlan:
+        """The fields TE honours under the scaling, after checking the device can run it. Block
+        and MXFP8 scaling keep TE's own format unless fp8_format is passed as an argument."""
+        s = settings
+        self.check_hardware(s.scaling, s.device)
+        honoured = self.honoured(s.scaling)
+        values = {name: getattr(s, name) for name in honoured & SCALING_FIELDS}
+        if "fp8_format" in values and s.scaling in ("block", "mxfp8"):
+            values["fp8_format"] = s.argument("fp8_format")
+        return TEPlan(override_linear_precision=s.override_linear_precision, **values)
+
+    def te_recipe(self, plan=None):
+        """The TE recipe object for a plan (or a recipe, made into one; or a given TE recipe's own),
+        built once per distinct setting and device so TE sees the same object every step."""
+        plan = self.plan_of(plan)
+        if plan.given is not None:
+            return plan.given
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        key = (scaling, recipe.fp8_format, recipe.margin, recipe.interval, recipe.amax_history_len,
-               recipe.amax_compute_algo, tuple(recipe.override_linear_precision),
-               getattr(recipe, "_explicit_fields", None), device)
+        key = (plan.recipe_key(), device)
         built = self._recipes.get(key)
         if built is None:
-            self.check_hardware(scaling)
-            plan = plan_te_recipe(recipe, scaling, self.recipe_fields(), te_version())
-            for note in plan.warnings:
-                warn_once(note)
-            built = self._recipes[key] = self.build_recipe(plan)
+            spec = te_recipe_spec(plan, self.recipe_fields(), te_version())
+            for name, value, why in spec.notes:
+                warn_once(ignored_message(self, name, value, plan.scaling, why))
+            built = self._recipes[key] = self.build_recipe(spec)
         return built
 
-    def build_recipe(self, plan: TERecipePlan):
+    def build_recipe(self, spec: TERecipeSpec):
         module = importlib.import_module("transformer_engine.common.recipe")
-        kwargs = plan.kwargs_dict()
+        kwargs = spec.kwargs_dict()
         if "fp8_format" in kwargs:
             kwargs["fp8_format"] = module.Format[kwargs["fp8_format"]]
-        if plan.interval > 1:
-            kwargs["scaling_factor_compute_algo"] = IntervalScaling(plan.interval)
-        return getattr(module, plan.class_name)(**kwargs)
+        if spec.interval > 1:
+            kwargs["scaling_factor_compute_algo"] = IntervalScaling(spec.interval)
+        return getattr(module, spec.class_name)(**kwargs)
 
-    def engine_recipe(self, te_recipe) -> GivenTERecipe:
+    def engine_recipe(self, te_recipe) -> TEPlan:
         """Accept a TransformerEngine recipe object as is (contextual_fp8_autocast does this)."""
         base = getattr(importlib.import_module("transformer_engine.common.recipe"), "Recipe", None)
         if base is not None and not isinstance(te_recipe, base):
@@ -216,7 +266,7 @@ class TEEngine(Engine):
                 "fp8_recipe: give an fp8plug.FP8RecipeKwargs or a TransformerEngine recipe "
                 f"(transformer_engine.common.recipe.DelayedScaling, ...), not {type(te_recipe).__name__}."
             )
-        return GivenTERecipe(te_recipe)
+        return TEPlan(given=te_recipe)
 
     # conversion -------------------------------------------------------------------------------------
     def eligibility(self, scaling: str, convert_linear: bool, convert_norm: bool) -> dict:
@@ -261,23 +311,20 @@ class TEEngine(Engine):
                 eligible[nn.RMSNorm] = rms_norm
         return eligible
 
-    def convert(self, model: nn.Module, recipe=None, convert_linear: bool = True, convert_norm: bool = True) -> ConversionReport:
+    def convert(self, model: nn.Module, plan=None, convert_linear: bool = True, convert_norm: bool = True) -> ConversionReport:
         """Swap eligible Linear / LayerNorm / RMSNorm modules for TE's, in place, sharing their
-        parameters. Checks the recipe against the GPU first, so a bad choice fails here."""
+        parameters. Builds the TE recipe first, so a recipe this TE cannot build fails here."""
         te = self.require()
-        if recipe is None:
-            from ..recipe import FP8RecipeKwargs
-
-            recipe = FP8RecipeKwargs(backend="te")
-        if isinstance(recipe, GivenTERecipe):
-            scaling = recipe_kind(recipe.te_recipe)
+        plan = self.plan_of(plan)
+        if plan.given is not None:
+            scaling = recipe_kind(plan.given)
         else:
-            scaling = self.scaling_name(recipe)
+            scaling = plan.scaling
             if torch.cuda.is_available():
-                self.te_recipe(recipe)  # refuse a recipe this GPU cannot run, before touching the model
+                self.te_recipe(plan)  # refuse a recipe this TE cannot build, before touching the model
         targets, report = plan_conversion(
             model, self.name, self.eligibility(scaling, convert_linear, convert_norm), self.is_converted,
-            getattr(recipe, "modules_to_ignore", None), getattr(recipe, "module_filter_fn", None),
+            plan.modules_to_ignore, plan.module_filter_fn,
         )
         linear_cls = te_linear_class() if convert_linear else None
 
@@ -305,9 +352,9 @@ class TEEngine(Engine):
 
         return swap_modules(model, targets, build, report)
 
-    def convert_layers(self, model: nn.Module, recipe, linear: bool = True, norm: bool = True) -> ConversionReport:
+    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
         """TE converts norms too: `convert` with convert_linear=`linear`, convert_norm=`norm`."""
-        return self.convert(model, recipe, convert_linear=linear, convert_norm=norm)
+        return self.convert(model, plan, convert_linear=linear, convert_norm=norm)
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap TE Linear / LayerNorm / RMSNorm modules back for torch ones sharing their
@@ -346,17 +393,17 @@ class TEEngine(Engine):
         return bool(fp8_call(input)) if fp8_call is not None else False
 
     # running ------------------------------------------------------------------------------------------
-    def autocast(self, recipe=None, enabled: bool = True):
-        """TE's autocast for one forward: FP8 with the recipe's TE recipe when enabled, high
+    def autocast(self, plan=None, enabled: bool = True):
+        """TE's autocast for one forward: FP8 with the plan's TE recipe when enabled, high
         precision otherwise."""
         api = TEApi(self.require())
         if not enabled:
             try:
-                te_recipe = self.te_recipe(recipe)
+                te_recipe = self.te_recipe(plan)
             except ValueError:  # a recipe this GPU cannot run is irrelevant when FP8 is off
                 te_recipe = None
             return api.autocast(enabled=False, recipe=te_recipe)
-        return api.autocast(enabled=True, recipe=self.te_recipe(recipe))
+        return api.autocast(enabled=True, recipe=self.te_recipe(plan))
 
     def microbatch(self, is_first: Optional[bool]):
         return microbatch(is_first)

@@ -119,21 +119,22 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     autocast = engine = None
     if spec.backend is not None:
         from ..backends import get_backend
+        from ..plans import make_plan
         from ..recipe import FP8RecipeKwargs
         from ..steps import end_step
 
         engine = get_backend(spec.backend)
-        recipe = FP8RecipeKwargs(backend=spec.backend, scaling=spec.scaling)
-        report = engine.convert(model, recipe)
+        plan = make_plan(engine, FP8RecipeKwargs(backend=spec.backend, scaling=spec.scaling), device)
+        report = engine.convert(model, plan)
         if not report.converted:
             why = "; ".join(f"{name}: {reason}" for name, reason in report.skipped.items()) or "nothing converted"
             raise BenchSkip(f"not converted ({why})")
         # engines that adapt a (model, optimizer) pair (MS-AMP) need one; it never steps
         optimizer = torch.optim.Adam(model.parameters(), lr=0.0)
-        model = engine.prepare(model, optimizer, recipe)[0]
+        model = engine.prepare(model, optimizer, plan)[0]
 
         def autocast():
-            return engine.autocast(recipe, enabled=True)
+            return engine.autocast(plan, enabled=True)
 
     fn = torch.compile(model) if mode == "compiled" else model
     params = [p for p in model.parameters() if p.requires_grad]
