@@ -199,6 +199,13 @@ class AOEngine(Engine):
                                  "ao_config; leave it unset.")
             return AOPlan(torchao_config=s.ao_config, scaling=scaling_of(s.ao_config))
         if s.ao_config is not None:
+            from torchao.float8 import Float8LinearConfig
+
+            if not isinstance(s.ao_config, Float8LinearConfig):
+                raise ValueError(
+                    "FP8RecipeKwargs.ao_config: expected a torchao.float8.Float8LinearConfig (or torchao's MXFP8 "
+                    f"training config), got {type(s.ao_config).__name__}."
+                )
             if s.argument("scaling") is not None:
                 raise ValueError(
                     "FP8RecipeKwargs: give either scaling (a torchao recipe name) or ao_config (a whole "
