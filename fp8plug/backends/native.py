@@ -384,9 +384,10 @@ class NativeEngine(Engine):
     honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
     # compiled, dynamic ties delayed (1.316x against 1.310x) and reaches its first step sooner;
-    # eager (session 10, H100), dynamic through the Triton cast 77.3-77.5k tok/s against bf16
-    # compiled's 75.9k, delayed 76.5k (its per-step bookkeeping leaves the GPU idle 8 ms a step)
-    measured = {"compiled": Speed(1.31, "dynamic"), "eager": Speed(1.02, "dynamic")}
+    # eager (session 10, H100), dynamic through the Triton cast 77.0k tok/s against bf16
+    # compiled's 75.9k in one call (TE 78.8k); delayed was slower (its per-step bookkeeping
+    # leaves the GPU idle 8 ms a step)
+    measured = {"compiled": Speed(1.31, "dynamic"), "eager": Speed(1.015, "dynamic")}
 
     def probe(self) -> Probe:
         if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
