@@ -72,6 +72,21 @@ class Plan:
         return self.scaling
 
 
+@dataclass(frozen=True, kw_only=True)
+class DelayedScalingPlan(Plan):
+    """The settings of TransformerEngine-style delayed scaling, shared by the plans of the two
+    engines that run it (native and te): the margin, how often the scale is recomputed, the
+    amax history and its reduction, which GEMMs stay in high precision, whether amaxes are
+    reduced across ranks. Defaults: FP8RecipeKwargs'."""
+
+    margin: int = DEFAULTS["margin"]
+    interval: int = DEFAULTS["interval"]
+    amax_history_len: int = DEFAULTS["amax_history_len"]
+    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
+    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
+    reduce_amax: bool = DEFAULTS["reduce_amax"]
+
+
 @dataclass(frozen=True)
 class Settings:
     """The recipe as one engine may read it while making its plan: the fields it declares it

@@ -25,7 +25,7 @@ from ..convert import (
     swap_modules,
 )
 from ..fp8_gemm import scaled_mm
-from ..plans import Plan, Settings
+from ..plans import DelayedScalingPlan, Settings
 from ..recipe import DEFAULTS
 from ..scaling import (
     E4M3,
@@ -339,7 +339,7 @@ def _direct_layers_engine() -> "NativeEngine":
 
 
 @dataclass(frozen=True, kw_only=True)
-class NativePlan(Plan):
+class NativePlan(DelayedScalingPlan):
     """What NativeFP8Linear is built with (besides the shared Plan): the FP8 format, delayed
     scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
     whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
@@ -347,12 +347,6 @@ class NativePlan(Plan):
     `scaling` for all three. Defaults: FP8RecipeKwargs'."""
 
     fp8_format: str = DEFAULTS["fp8_format"]
-    margin: int = DEFAULTS["margin"]
-    interval: int = DEFAULTS["interval"]
-    amax_history_len: int = DEFAULTS["amax_history_len"]
-    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
-    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
-    reduce_amax: bool = DEFAULTS["reduce_amax"]
     tensor_scalings: Optional[Tuple[str, str, str]] = None
 
     def describe_scaling(self) -> str:

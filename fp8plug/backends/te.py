@@ -53,7 +53,7 @@ import contextlib
 import importlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -62,8 +62,7 @@ from ..convert import (
     ALIGNMENT, ConversionReport, linear_alignment_problem, plain_linear, plan_conversion, replace_module, swap_modules,
 )
 from ..hardware import DeviceInfo
-from ..plans import Plan, Settings, ignored_message
-from ..recipe import DEFAULTS
+from ..plans import DelayedScalingPlan, Settings, ignored_message
 from ._te_import import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from ._te_layers import (
     accept_plain_state_dict, drop_extra_state, gemm_alignment, load_plain_state_dict, microbatch, te_linear_class,
@@ -80,19 +79,13 @@ SCALING_FIELDS = frozenset({"fp8_format", "margin", "interval", "amax_history_le
 
 
 @dataclass(frozen=True, kw_only=True)
-class TEPlan(Plan):
+class TEPlan(DelayedScalingPlan):
     """What the TE recipe object is built from (besides the shared Plan): the fields TE honours
     under the plan's scaling (the others keep FP8RecipeKwargs' defaults and are not used);
     fp8_format None keeps the TE recipe's own. `given`: a TE recipe object passed as it is
     (contextual_fp8_autocast), used instead of building one."""
 
     fp8_format: Optional[str] = None
-    margin: int = DEFAULTS["margin"]
-    interval: int = DEFAULTS["interval"]
-    amax_history_len: int = DEFAULTS["amax_history_len"]
-    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
-    override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
-    reduce_amax: bool = DEFAULTS["reduce_amax"]
     given: Any = field(default=None, compare=False)
 
     def recipe_key(self) -> tuple:
