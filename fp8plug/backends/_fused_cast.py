@@ -15,8 +15,9 @@ runs only while the slot has no scale yet, and returns at once afterwards.
 `cast_transpose` is a torch custom op (torch.library.triton_op), so it also compiles. The native
 engine uses it for CUDA tensors in eager execution, where each torch op would be its own pass over
 the tensor (and its own launch): for delayed slots, and for dynamic ones as the first step of a
-delayed slot (`cast_transpose_dynamic`: the amax pass, then the cast with that amax's scale); under torch.compile, and on the CPU or without Triton, it casts with
-torch ops (fp8plug.scaling), which give the same bytes.
+delayed slot (`cast_transpose_dynamic`: the amax pass, then the cast with that amax's scale).
+Under torch.compile, and on the CPU or without Triton, it casts with torch ops (fp8plug.scaling),
+which give the same bytes.
 """
 
 from __future__ import annotations

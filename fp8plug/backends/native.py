@@ -143,7 +143,7 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
     Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
     `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A CUDA
     tensor in eager execution is cast by backends._fused_cast (one pass for a delayed slot, two
-    for a dynamic one, four launches either way); everything else with torch ops, which
+    for a dynamic one, in four or three launches); everything else with torch ops, which
     torch.compile fuses with the ops around them."""
     t = t.detach()
     if fused_cast.usable(t):
