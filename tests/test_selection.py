@@ -264,6 +264,24 @@ def test_accelerator_knows_whether_it_compiles():
     assert compiled.fp8_selection.mode is None  # the CPU: no measured ranking, the old order
 
 
+def test_a_trainer_with_torch_compile_tells_the_accelerator_it_compiles(tmp_path):
+    """Trainer(torch_compile=True) hands its dynamo plugin to the Accelerator it builds, so on an
+    FP8 GPU the choice is ranked for a compiled model (issue 27's fifth way of holding a model)."""
+    from accelerate.state import AcceleratorState
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from fp8plug.transformers import FP8Trainer
+
+    AcceleratorState._reset_state(True)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile=True, torch_compile_backend="eager",
+                             report_to=[])
+    trainer = FP8Trainer(model=LlamaForCausalLM(config), args=args)
+    assert isinstance(trainer.accelerator, fp8plug.Accelerator) and trainer.accelerator._compiles_model() is True
+    AcceleratorState._reset_state(True)
+
+
 def test_ranked_choice_does_not_import_engines_measured_slower():
     """Importing an engine can change the process (TransformerEngine's cuDNN cost a Llama's
     attention its cuDNN kernel on the H100), so once a faster engine is usable the rest stay unprobed."""
