@@ -25,7 +25,7 @@ _MODULES = {
     "native": "fp8plug.backends.native:NativeEngine",
 }
 _INSTANCES: Dict[str, Engine] = {}
-_A = {"compiled": "a compiled", "eager": "an eager", "any": "a"}
+_A = {"compiled": "a compiled", "eager": "an eager"}
 MODES = ("compiled", "eager")  # how a model can run, each with its Engine.measured figure
 # bf16 eager's speed against bf16 compiled in the run behind Engine.measured: an FP8 engine below
 # it is slower than not using FP8 at all when the model runs eagerly
