@@ -1,0 +1,126 @@
+"""Attention alone: torch's bf16 SDPA against TransformerEngine's FP8 dot-product attention.
+
+Issue 27 item 2 asks whether FP8 attention pays on Hopper. This times forward + backward of one
+causal attention call at the Llama benchmark's shape (B x T tokens, 32 query heads, 8 KV heads,
+head dim 128, inputs laid out as transformers hands them: [B, H, T, D] views of RoPE'd tensors),
+and measures each variant's error against a float32 reference (SQNR of the output and of the
+three input gradients). Variants:
+
+  sdpa-bf16      torch.nn.functional.scaled_dot_product_attention (what transformers' "sdpa" runs)
+  te-bf16        TE's DotProductAttention without FP8 (its own choice of fused kernel)
+  te-fp8-delayed TE's FP8 DPA under DelayedScaling(fp8_dpa=True) (cuDNN's FP8 fused attention)
+  te-fp8-current TE's FP8 DPA under Float8CurrentScaling(fp8_dpa=True)
+
+    python3 benchmarks/fp8_attention.py --batch 4 --seq 2048 --json out.json
+
+GPU only (TE's FP8 attention is cuDNN's, sm_90+).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
+    reference, test = reference.double(), test.double()
+    noise = (reference - test).pow(2).mean()
+    return float(10 * torch.log10(reference.pow(2).mean() / noise.clamp_min(1e-30)))
+
+
+def inputs(batch, seq, heads, kv_heads, dim, seed=0):
+    """q, k, v as transformers' Llama hands them to an attention function: [B, H, T, D], the
+    result of RoPE on [B, T, H, D] projections transposed (so contiguous in B, H, T, D)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    def one(h):
+        return torch.randn(batch, h, seq, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return one(heads), one(kv_heads), one(kv_heads)
+
+
+def sdpa(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1).transpose(1, 2)
+
+
+def make_te(recipe_name, heads, kv_heads, dim, layout):
+    from fp8plug.backends._te_import import TEApi, import_te
+
+    te = import_te()
+    from transformer_engine.common import recipe as te_recipe
+
+    dpa = te.DotProductAttention(heads, dim, num_gqa_groups=kv_heads, attn_mask_type="causal", qkv_format="bshd")
+    recipe = {"delayed": lambda: te_recipe.DelayedScaling(fp8_dpa=True),
+              "current": lambda: te_recipe.Float8CurrentScaling(fp8_dpa=True),
+              "bf16": lambda: None}[recipe_name]()
+    api = TEApi(te)
+
+    def run(q, k, v):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        if layout == "contiguous":
+            qs, ks, vs = (t.contiguous() for t in (qs, ks, vs))
+        with api.autocast(enabled=recipe is not None, recipe=recipe):
+            out = dpa(qs, ks, vs)
+        return out.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+    return run
+
+
+def fwd_bwd(fn, q, k, v, grad):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad)
+    return out, q.grad, k.grad, v.grad
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--variants", default="sdpa-bf16,te-bf16,te-fp8-delayed,te-fp8-current")
+    parser.add_argument("--layout", default="view", choices=("view", "contiguous"))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    q, k, v = inputs(args.batch, args.seq, args.heads, args.kv_heads, args.dim)
+    grad = torch.randn(args.batch, args.seq, args.heads, args.dim, device="cuda", dtype=torch.bfloat16,
+                       generator=torch.Generator(device="cuda").manual_seed(1))
+    # the float32 reference, math kernel
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = fwd_bwd(lambda a, b, c: sdpa(a.float(), b.float(), c.float()), q, k, v, grad.float())
+    flops = 4 * args.batch * args.heads * args.seq * args.seq * args.dim / 2 * 3.5  # causal fwd + bwd (2.5x fwd)
+    rows = []
+    for name in args.variants.split(","):
+        fn = sdpa if name == "sdpa-bf16" else make_te(name.rsplit("-", 1)[-1], args.heads, args.kv_heads, args.dim,
+                                                      args.layout)
+        try:
+            for _ in range(3):
+                got = fwd_bwd(fn, q, k, v, grad)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                fwd_bwd(fn, q, k, v, grad)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) / args.iters * 1e3
+            row = {"variant": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
+                   **{f"sqnr_{what}": round(sqnr(r, g), 1) for what, r, g in zip(("out", "dq", "dk", "dv"), ref, got)}}
+        except Exception as error:  # noqa: BLE001 - a variant this stack cannot run is reported
+            row = {"variant": name, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
