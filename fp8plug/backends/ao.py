@@ -10,10 +10,15 @@ delayed-scaling fields are not honoured (torchao removed delayed scaling in 0.10
 one warns (fp8plug.plans).
 
 Each converted module is then given fp8plug's class `AOFloat8Linear`, a Float8Linear whose only
-change is the forward's choice between torchao's FP8 path and a plain high-precision F.linear:
-FP8 inside an enabled FP8 region, high precision inside a disabled one, and outside any region
-FP8 in training mode only (eval in high precision, as for every engine). That choice reads a flag
-and `self.training`, so torch.compile guards on it and recompiles, never graph-breaks. Token
+change is its forward. First, the choice between torchao's FP8 path and a plain high-precision
+F.linear: FP8 inside an enabled FP8 region, high precision inside a disabled one, and outside any
+region FP8 in training mode only (eval in high precision, as for every engine). That choice reads a
+flag and `self.training`, so torch.compile guards on it and recompiles, never graph-breaks. Second,
+a frozen weight (requires_grad False, e.g. PEFT LoRA's base_layer) in high precision runs
+fp8plug's own autograd Function (backends._ao_frozen): the same casts and GEMMs as torchao for the
+output and the input gradient, bit for bit, but no weight-gradient casts or GEMM and no input kept
+for backward. A frozen weight needs no gradient, and torchao 0.18's Function always computes it.
+A weight FSDP2's float8 all-gather has already cast keeps torchao's path. Token
 counts an FP8 GEMM cannot take (not a multiple of 16; 32 for MXFP8) run in FP8 all the same:
 the token dimension is zero-padded on the way in and sliced on the way out (backends.padding),
 except where torchao needs no alignment (emulate) or pads itself (pad_inner_dim).
@@ -80,8 +85,11 @@ def _float8_linear_class():
     """fp8plug's Float8Linear subclass, built on first use so torchao is imported only then."""
     from torchao.float8.float8_linear import Float8Linear
 
+    from ._ao_frozen import frozen_forward, takes_frozen_path
+
     class AOFloat8Linear(Float8Linear):
-        """torchao's Float8Linear with fp8plug's choice of when to run FP8 (see fp8plug.backends.ao).
+        """torchao's Float8Linear with fp8plug's choice of when to run FP8 (see fp8plug.backends.ao),
+        and no weight-gradient work for a frozen weight.
 
         Its state (parameters, config, state-dict keys) is exactly torchao's; only `forward` differs.
         """
@@ -89,8 +97,15 @@ def _float8_linear_class():
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if _fp8_now(self, input):
                 align = 1 if self.config.pad_inner_dim or self.config.emulate else ALIGNMENT
-                return pad_tokens(super().forward, _cpu_autocast_input(input), align)
+                return pad_tokens(self._fp8_forward, _cpu_autocast_input(input), align)
             return F.linear(input, _high_precision_weight(self.weight), self.bias)
+
+        def _fp8_forward(self, input: torch.Tensor) -> torch.Tensor:
+            """torchao's FP8 forward; for a frozen weight, the same casts and GEMMs without the
+            weight gradient's (backends._ao_frozen)."""
+            if takes_frozen_path(self.weight):
+                return frozen_forward(self, input)
+            return super().forward(input)
 
     AOFloat8Linear.__module__ = __name__
     AOFloat8Linear.__qualname__ = "AOFloat8Linear"
