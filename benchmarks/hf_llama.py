@@ -87,13 +87,17 @@ PRESETS = {
 # "fp8plug" is its own choice. accelerate-ao-noag: AORecipeKwargs' default turns on FSDP2's float8
 # all-gather, which wraps each converted weight in a new Parameter that an optimizer created
 # before prepare() never sees (those weights are then never updated: `params_not_stepped`);
-# turning it off, as one GPU allows, keeps the Parameters.
+# turning it off, as one GPU allows, keeps the Parameters. bf16-skipmask: bf16 with fp8plug's
+# attention change alone (fp8plug.attention.skip_causal_mask); fp8plug-keepmask: fp8plug without
+# it (skip_causal_mask=False): together they split fp8plug's gain into attention's and FP8's.
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
+    "bf16-skipmask": ("accelerate", "bf16", None, dict(skip_causal_mask=True)),
     "accelerate-ao": ("accelerate", "fp8", "ao", {}),
     "accelerate-ao-noag": ("accelerate", "fp8", "ao", dict(enable_fsdp_float8_all_gather=False)),
     "accelerate-te": ("accelerate", "fp8", "te", {}),
     "fp8plug": ("fp8plug", "fp8", None, {}),
+    "fp8plug-keepmask": ("fp8plug", "fp8", None, dict(skip_causal_mask=False)),
     "fp8plug-native": ("fp8plug", "fp8", "native", {}),
     "fp8plug-native-dynamic": ("fp8plug", "fp8", "native", dict(scaling="dynamic")),
     "fp8plug-native-delayed": ("fp8plug", "fp8", "native", dict(scaling="delayed")),
@@ -106,7 +110,7 @@ BASES = {
 MODES = ("eager", "compiled", "usercompiled", "precompiled")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
-                and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager")]
+                and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row]
 REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
 LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps
 ALPHABET, NOISE = 1024, 0.1  # the synthetic task (make_batches)
@@ -228,7 +232,7 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         handlers = [accelerate.utils.AORecipeKwargs(**options)]
     elif kind == "accelerate" and engine == "te":
         handlers = [accelerate.utils.TERecipeKwargs(**options)]
-    elif engine is not None:
+    elif kind == "fp8plug" and (engine is not None or options):
         import fp8plug
 
         handlers = [fp8plug.FP8RecipeKwargs(backend=engine, **options)]
@@ -241,6 +245,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
                       dynamo_backend="inductor" if mode == "compiled" else "no")
     model = build_model(spec, accelerator.device)
+    if kind == "accelerate" and options.get("skip_causal_mask"):
+        from fp8plug.attention import skip_causal_mask
+
+        skip_causal_mask(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
     warmup = max(1, steps // 10)

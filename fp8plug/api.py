@@ -7,6 +7,7 @@ from typing import Optional
 
 from torch import nn
 
+from .attention import restore_sdpa, skip_causal_mask
 from .backends import get_backend, select_backend
 from .backends.base import Engine
 from .convert import ConversionReport
@@ -68,9 +69,12 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
     """The one conversion path (convert_model and fp8plug.Accelerator both take it): the engine
     converts as its plan says (made once, at selection, by fp8plug.plans.make_plan: the recipe
     checked, the automatic speed filter added where it applies), then one line is logged under
-    the `fp8plug` logger (fp8plug.coverage)."""
+    the `fp8plug` logger (fp8plug.coverage). A transformers model on "sdpa" attention also gets
+    attention without a built causal mask where the plan says so (fp8plug.attention)."""
     report = engine.convert_layers(model, plan, linear=linear, norm=norm)
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
+    if plan.skip_causal_mask:
+        skip_causal_mask(model)
     return report
 
 
@@ -80,9 +84,11 @@ def loaded_engines():
 
 
 def unconvert_model(model: nn.Module) -> nn.Module:
-    """Swap every engine's FP8 modules back for torch modules with the same weights, in place."""
+    """Swap every engine's FP8 modules back for torch modules with the same weights, in place
+    (and a transformers model's attention back to "sdpa" where conversion changed it)."""
     for engine in loaded_engines():
         engine.unconvert(model)
+    restore_sdpa(model)
     return model
 
 

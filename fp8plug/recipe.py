@@ -56,6 +56,7 @@ DEFAULTS = {
     "auto_filter": None,
     "auto_filter_tokens": None,
     "reduce_amax": True,
+    "skip_causal_mask": True,
 }
 # What each field that only some engines read applies to: the reason in the warning an engine
 # that ignores the field gives (fp8plug.plans; an engine may say more, Engine.why_ignored).
@@ -104,6 +105,7 @@ ENV_NAMES = {
     "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
     "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
     "reduce_amax": ("FP8PLUG_REDUCE_AMAX", "ACCELERATE_FP8_REDUCE_AMAX"),
+    "skip_causal_mask": ("FP8PLUG_SKIP_CAUSAL_MASK", "ACCELERATE_FP8_SKIP_CAUSAL_MASK"),
 }
 MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
 OVERRIDE_ENV_NAMES = (
@@ -222,6 +224,10 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             rank casts with one scale, as TransformerEngine does (default True); False keeps
             one scale per rank (e.g. pipeline stages holding different layers).
             Environment: FP8PLUG_REDUCE_AMAX.
+        skip_causal_mask: a transformers model on "sdpa" attention gets SDPA's is_causal instead of
+            a built causal mask wherever no padding mask is passed, under torch.compile too
+            (fp8plug.attention; default True); False leaves its attention alone.
+            Environment: FP8PLUG_SKIP_CAUSAL_MASK.
 
     Accelerate's own field names are accepted too (`module_filter_func`, `config`,
     `use_mxfp8_block_scaling`, `amax_history_length`, ...; see ACCELERATE_NAMES). A recipe made by
@@ -247,6 +253,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
     auto_filter: Optional[bool] = None
     auto_filter_tokens: Optional[int] = None
     reduce_amax: Optional[bool] = None
+    skip_causal_mask: Optional[bool] = None
     # What this recipe resolved to; dataclasses.replace passes it to the new recipe, which can so
     # tell a field the caller changed from one that only came along (see _forget_inherited).
     _resolved: Optional["_Resolved"] = field(default=None, repr=False, compare=False)
@@ -333,6 +340,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         for name in ("margin", "interval", "amax_history_len"):
             setattr(self, name, self._bounded(name))
         self.reduce_amax = parse_bool(self.reduce_amax, self._label("reduce_amax"))
+        self.skip_causal_mask = parse_bool(self.skip_causal_mask, self._label("skip_causal_mask"))
         self.override_linear_precision = _override(self.override_linear_precision)
         self.scaling = _scaling(self.scaling)
         if self.modules_to_ignore is not None:

@@ -1,0 +1,133 @@
+"""fp8plug.attention on the CPU with the real transformers: a converted Llama's SDPA gets
+is_causal and no mask, compiled too, computes what "sdpa" computes, and still builds the mask
+wherever one is needed (a padding mask, a KV cache); the switch is undone for shipping.
+
+Which kernel SDPA picks on a GPU, and what that is worth, is benchmarks/hf_llama.py's
+(docs/performance.md, "Session 11")."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+
+import fp8plug  # noqa: E402
+from fp8plug.attention import FP8PLUG_SDPA, causal_or_sdpa_mask, skip_causal_mask  # noqa: E402
+from fp8plug.export import export_model  # noqa: E402
+from tests._hf import VOCAB, tiny_llama  # noqa: E402
+
+SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention")
+
+
+class SdpaCalls(TorchDispatchMode):
+    """Records, for each attention op that runs, whether it was given a mask and is_causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in SDPA_OPS:
+            schema = [a.name for a in func._schema.arguments]
+            values = dict(zip(schema, args), **kwargs)
+            self.calls.append((values.get("attn_mask") is not None, bool(values.get("is_causal", False))))
+        return func(*args, **kwargs)
+
+
+def ids(batch=2, seq=32, seed=0):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def attention_calls(model, **inputs):
+    with SdpaCalls() as spy, torch.no_grad():
+        logits = model(**inputs).logits
+    return spy.calls, logits
+
+
+def rel_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_no_mask_is_built_compiled_or_not_and_the_logits_are_sdpas():
+    plain = tiny_llama(0)
+    fast = copy.deepcopy(plain)
+    assert skip_causal_mask(fast) and fast.config._attn_implementation == FP8PLUG_SDPA
+    batch = dict(input_ids=ids())
+    _, reference = attention_calls(plain, **batch)
+    for model in (fast, torch.compile(fast, backend="eager")):
+        calls, logits = attention_calls(model, **batch)
+        assert calls == [(False, True)] * 2  # both layers: no mask, is_causal
+        assert rel_error(logits, reference) < 1e-5
+
+
+def test_a_padding_mask_or_a_cache_still_builds_the_mask():
+    plain = tiny_llama(0)
+    fast = copy.deepcopy(plain)
+    skip_causal_mask(fast)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, :5] = 0  # left padding in the second row
+    batch = dict(input_ids=ids(), attention_mask=mask)
+    _, reference = attention_calls(plain, **batch)
+    for model in (fast, torch.compile(fast, backend="eager")):
+        calls, logits = attention_calls(model, **batch)
+        assert calls and all(has_mask for has_mask, _ in calls)
+        assert rel_error(logits[1, 5:], reference[1, 5:]) < 1e-5 and rel_error(logits[0], reference[0]) < 1e-5
+    # decoding with a KV cache (more keys than queries) matches "sdpa" token for token
+    prompt = ids(batch=1, seq=8)
+    want = plain.generate(prompt, max_new_tokens=6, do_sample=False)
+    got = fast.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_only_a_plain_causal_mask_without_padding_is_skipped():
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    plain = dict(batch_size=1, q_length=8, kv_length=8, mask_function=causal_mask_function)
+    assert causal_or_sdpa_mask(**plain) is None
+    built = [
+        dict(plain, attention_mask=torch.tensor([[False] + [True] * 7])),  # padding
+        dict(plain, kv_length=12, q_offset=4),  # a cache
+        dict(plain, mask_function=sliding_window_causal_mask_function(4), local_size=4),
+        dict(plain, allow_is_causal_skip=False),  # transformers' own "not plain" (packed sequences, ...)
+    ]
+    for kwargs in built:
+        assert isinstance(causal_or_sdpa_mask(**kwargs), torch.Tensor), kwargs
+
+
+def test_conversion_switches_and_export_or_the_recipe_keeps_sdpa():
+    model = tiny_llama(0)
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
+    assert model.config._attn_implementation == FP8PLUG_SDPA
+    export_model(model)
+    assert model.config._attn_implementation == "sdpa"  # a shipped model names transformers' own
+
+    model = tiny_llama(0)
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native", skip_causal_mask=False))
+    assert model.config._attn_implementation == "sdpa"
+
+    eager = tiny_llama(0)
+    eager.set_attn_implementation("eager")
+    fp8plug.convert_model(eager, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
+    assert eager.config._attn_implementation == "eager"  # only "sdpa" is switched
+
+
+def test_a_peft_model_is_switched_inside():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=4, target_modules="all-linear"))
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
+    assert model.get_base_model().config._attn_implementation == FP8PLUG_SDPA
+    calls, _ = attention_calls(model, input_ids=ids())
+    assert calls == [(False, True)] * 2
