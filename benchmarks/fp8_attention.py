@@ -7,6 +7,7 @@ and measures each variant's error against a float32 reference (SQNR of the outpu
 three input gradients). Variants:
 
   sdpa-bf16      torch.nn.functional.scaled_dot_product_attention (what transformers' "sdpa" runs)
+  sdpa-bf16-compiled  the same under torch.compile (inductor)
   te-bf16        TE's DotProductAttention without FP8 (its own choice of fused kernel)
   te-fp8-delayed TE's FP8 DPA under DelayedScaling(fp8_dpa=True) (cuDNN's FP8 fused attention)
   te-fp8-current TE's FP8 DPA under Float8CurrentScaling(fp8_dpa=True)
@@ -98,8 +99,9 @@ def main():
         ref = fwd_bwd(lambda a, b, c: sdpa(a.float(), b.float(), c.float()), q, k, v, grad.float())
     flops = 4 * args.batch * args.heads * args.seq * args.seq * args.dim / 2 * 3.5  # causal fwd + bwd (2.5x fwd)
     rows = []
+    compiled_sdpa = torch.compile(sdpa)
     for name in args.variants.split(","):
-        fn = sdpa if name == "sdpa-bf16" else make_te(name.rsplit("-", 1)[-1], args.heads, args.kv_heads, args.dim,
+        fn = sdpa if name == "sdpa-bf16" else compiled_sdpa if name == "sdpa-bf16-compiled" else make_te(name.rsplit("-", 1)[-1], args.heads, args.kv_heads, args.dim,
                                                       args.layout)
         try:
             for _ in range(3):

@@ -248,3 +248,32 @@ __all__ = [
     "is_prepared", "launcher_fp8_check", "prepared_models", "prepared_optimizers", "process_state_exists", "registered_objects",
     "restore_forward", "shared_precision", "storage_view", "trainer_builds_accelerator_with",
 ]
+
+
+# --- transformers: attention implementation names and packed-sequence detection -------------------
+# Relies on: `PretrainedConfig._attn_implementation`, the name model code looks up in
+# ALL_ATTENTION_FUNCTIONS and ALL_MASK_ATTENTION_FUNCTIONS (set through the public
+# `set_attn_implementation`); and `transformers.masking_utils.find_packed_sequence_indices(
+# position_ids)`, which create_causal_mask's argument preparation looks up as a module global
+# and calls where position ids come without an attention mask or a cache, and which returns a
+# tensor ("maybe packed") whenever it is traced, since it cannot read the positions then.
+# Checked: 5.10.1, 5.17.0, 5.23.0.
+def attention_implementation(config) -> Optional[str]:
+    """The attention implementation `config` names ("sdpa", "eager", ...), or None."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def report_unpacked_while(predicate) -> None:
+    """Make transformers' packed-sequence detection answer "not packed" whenever `predicate()` is
+    true, and ask transformers otherwise (installed once per process)."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    if getattr(original, "fp8plug_predicate", None) is not None:
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        return None if predicate() else original(position_ids)
+
+    find_packed_sequence_indices.fp8plug_predicate = predicate
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices

@@ -1,26 +1,30 @@
 """transformers' SDPA attention without a built causal mask under torch.compile.
 
-Why: a transformers model on its default attention ("sdpa") builds a 4-D causal mask for each
-forward unless it can prove the mask is plain causal, in which case it hands SDPA `is_causal=True`
-and no mask. Eagerly it proves that whenever no padding mask was passed (or the padding mask is
-all ones). Under torch.compile it never does on torch < 2.14: its check asks
-`torch.compiler.is_exporting()`, which dynamo answered True while compiling before
-pytorch#176499 (transformers' masking_utils says so). The compiled model then runs attention
-with a materialised mask: SDPA cannot take its causal kernels, so cuDNN runs the full square
-with a mask read, or torch falls to its memory-efficient kernel, and grouped-query models also
-repeat K and V to every head. Measured on the benchmark Llama (H100, docs/performance.md,
-"Session 11"): 13.6 ms of attention a step compiled against 4.8 ms eagerly, and 33 ms under
-PEFT LoRA, where the memory-efficient kernel ran.
+Why: a transformers model on its default attention ("sdpa") hands SDPA `is_causal=True` and no
+mask where it can prove the mask is plain causal, and otherwise builds a 4-D boolean mask. Under
+torch.compile it cannot prove it: the model makes its own position ids when none are passed,
+and transformers checks them for packed sequences, a check that needs their values, so while
+compiling it assumes packing and builds the mask (transformers 5.10-5.23 on torch 2.11; from
+5.23 on torch >= 2.14 a second guard is lifted, the packing check remains). SDPA then cannot take
+its causal kernels: cuDNN runs the full square with the mask read, or torch falls back to its
+memory-efficient kernel, and grouped-query models repeat K and V to every head first. Measured
+on the benchmark Llama (H100, docs/performance.md, "Session 11"): attention 0.77 + 2.34 ms a
+layer compiled against 0.26 + 0.70 eagerly (forward + backward), and 33 ms a step under PEFT
+LoRA, where the memory-efficient kernel ran.
 
-What: fp8plug registers one attention implementation, FP8PLUG_SDPA, with transformers'
-registries: its attention function is transformers' own SDPA function, unchanged; its mask
-function is transformers' `sdpa_mask` except in the one case transformers skips eagerly and that
-needs no data read: a plain causal mask (`causal_mask_function`, no sliding window or chunk, no
-packed sequences or added mask patterns: transformers turns `allow_is_causal_skip` off for
-those) with no padding mask at all and as many keys as queries (no cache). There it returns None,
-so the SDPA function passes `is_causal=True`, compiled or not. The attention computed is the
-same; only the kernel differs. A padding mask (even all ones) still builds the mask under
-torch.compile, as in transformers.
+What: two pieces, both only for models fp8plug converted.
+- While such a model runs a forward to which no position ids were passed (its own are
+  0..T-1 after any cache, so nothing can be packed), transformers' packed-sequence check answers
+  "not packed" (fp8plug._upstream.report_unpacked_while; a forward hook that always runs ends it).
+- The model's attention is FP8PLUG_SDPA, registered with transformers' registries: its attention
+  function is transformers' own SDPA function, unchanged; its mask function is transformers'
+  `sdpa_mask` except where the mask is plain causal (`causal_mask_function`; transformers turns
+  `allow_is_causal_skip` off for packed sequences and added mask patterns, and passes
+  `local_size` for sliding windows and chunks), no padding mask was passed and keys and queries
+  are as many (no cache). There it returns None, so the SDPA function passes `is_causal=True`,
+  compiled or not, as transformers does eagerly in that case.
+The attention computed is the same; only the kernel differs. A padding mask (even all ones) or
+position ids passed by the caller still build the mask under torch.compile, as in transformers.
 
 Conversion (fp8plug.api.convert_with_plan) switches a transformers model whose attention is
 "sdpa" to FP8PLUG_SDPA where the recipe's `skip_causal_mask` is on (the default), and says so
@@ -36,11 +40,36 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
+from ._upstream import attention_implementation, report_unpacked_while
+
 logger = logging.getLogger("fp8plug")
 
 FP8PLUG_SDPA = "fp8plug_sdpa"
 SDPA = "sdpa"
 _logged = set()
+
+
+class _Positions:
+    """Whether the converted transformers model now running makes its own position ids."""
+
+    own = False
+
+
+_POSITIONS = _Positions()
+
+
+def _note_positions(module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook: no position ids passed (by keyword, nor a second positional argument)."""
+    _POSITIONS.own = len(args) <= 1 and kwargs.get("position_ids") is None
+
+
+def _end_positions(module: nn.Module, args, kwargs, output) -> None:
+    """Forward hook, run even when the forward raises: the next model's positions are its own business."""
+    _POSITIONS.own = False
+
+
+def _positions_are_own() -> bool:
+    return _POSITIONS.own
 
 
 def _registered() -> bool:
@@ -77,10 +106,7 @@ def _plain_causal(kwargs, causal_mask_function) -> bool:
         return False
     if kwargs.get("local_size") is not None:
         return False
-    q_length = kwargs.get("q_length")
-    if q_length is None and kwargs.get("cache_position") is not None:  # older transformers
-        q_length = kwargs["cache_position"].shape[0]
-    kv_length = kwargs.get("kv_length")
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
     if q_length is None or kv_length is None or kwargs.get("kv_offset", 0) != 0:
         return False
     return q_length == kv_length
@@ -102,12 +128,20 @@ def _transformers_models(model: nn.Module) -> Iterator[nn.Module]:
             stack.extend(module.children())
 
 
+def _transformers_models_within(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` and every transformers model inside it (a CausalLM holds its base model): each is
+    called with the caller's position ids or none, so each notes which."""
+    from transformers import PreTrainedModel
+
+    return (m for m in model.modules() if isinstance(m, PreTrainedModel))
+
+
 def _implementations(model: nn.Module) -> set:
     """The attention implementations `model`'s config and its sub-configs name."""
     names, configs = set(), [model.config]
     while configs:
         config = configs.pop()
-        names.add(getattr(config, "_attn_implementation", None))
+        names.add(attention_implementation(config))
         configs.extend(c for key in getattr(config, "sub_configs", {}) or {}
                        if (c := getattr(config, key, None)) is not None)
     return names
@@ -116,8 +150,8 @@ def _implementations(model: nn.Module) -> set:
 def _set(model: nn.Module, name: str) -> None:
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
-    else:  # pragma: no cover - transformers without set_attn_implementation
-        model.config._attn_implementation = name
+    else:  # pragma: no cover - every transformers setup.cfg allows has it
+        raise RuntimeError("fp8plug.attention needs transformers' PreTrainedModel.set_attn_implementation")
 
 
 def skip_causal_mask(model: nn.Module) -> bool:
@@ -128,20 +162,32 @@ def skip_causal_mask(model: nn.Module) -> bool:
         if _implementations(hf_model) != {SDPA} or not _registered():
             continue
         _set(hf_model, FP8PLUG_SDPA)
+        report_unpacked_while(_positions_are_own)
+        for module in _transformers_models_within(hf_model):
+            if _note_positions not in module._forward_pre_hooks.values():
+                module.register_forward_pre_hook(_note_positions, with_kwargs=True)
+                module.register_forward_hook(_end_positions, with_kwargs=True, always_call=True)
         switched = True
         name = type(hf_model).__name__
         if name not in _logged:
             _logged.add(name)
             logger.info(
-                "fp8plug: %s: attention through %r, transformers' SDPA that passes is_causal=True instead of a "
-                "built causal mask wherever no padding mask is given, under torch.compile too (transformers "
-                "builds the mask whenever it compiles on torch < 2.14); skip_causal_mask=False keeps 'sdpa'.",
+                "fp8plug: %s: attention through %r, transformers' SDPA with is_causal=True instead of a built "
+                "causal mask where neither a padding mask nor position ids are passed, under torch.compile too "
+                "(where transformers builds the mask); skip_causal_mask=False keeps 'sdpa'.",
                 name, FP8PLUG_SDPA)
     return switched
 
 
 def restore_sdpa(model: nn.Module) -> None:
-    """Put "sdpa" back wherever skip_causal_mask switched a model to FP8PLUG_SDPA."""
+    """Put "sdpa" back wherever skip_causal_mask switched a model to FP8PLUG_SDPA, and its hooks off."""
     for hf_model in _transformers_models(model):
         if FP8PLUG_SDPA in _implementations(hf_model):
             _set(hf_model, SDPA)
+        for module in _transformers_models_within(hf_model):
+            for hooks, hook in ((module._forward_pre_hooks, _note_positions), (module._forward_hooks, _end_positions)):
+                for key in [k for k, fn in hooks.items() if fn is hook]:
+                    del hooks[key]
+                    module._forward_hooks_always_called.pop(key, None)
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
+                    module._forward_hooks_with_kwargs.pop(key, None)

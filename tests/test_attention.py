@@ -40,6 +40,32 @@ class SdpaCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def compiled_attention_masks(model, **inputs):
+    """Compile `model` with a backend that reads the traced graph: for each SDPA call, (mask
+    given, is_causal); and the compiled model's logits."""
+    found = []
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+                found.append((mask is not None, bool(causal)))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend)(**inputs).logits
+    return found, logits
+
+
+def llama(seed=0):
+    """The tiny Llama as trained: no KV cache (with one, transformers never checks for packing)."""
+    model = tiny_llama(seed)
+    model.config.use_cache = False
+    return model
+
+
 def ids(batch=2, seq=32, seed=0):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -62,33 +88,42 @@ def fresh_dynamo():
 
 
 def test_no_mask_is_built_compiled_or_not_and_the_logits_are_sdpas():
-    plain = tiny_llama(0)
+    plain = llama(0)
     fast = copy.deepcopy(plain)
     assert skip_causal_mask(fast) and fast.config._attn_implementation == FP8PLUG_SDPA
     batch = dict(input_ids=ids())
     _, reference = attention_calls(plain, **batch)
-    for model in (fast, torch.compile(fast, backend="eager")):
-        calls, logits = attention_calls(model, **batch)
-        assert calls == [(False, True)] * 2  # both layers: no mask, is_causal
-        assert rel_error(logits, reference) < 1e-5
+    calls, logits = attention_calls(fast, **batch)
+    assert calls == [(False, True)] * 2  # both layers: no mask, is_causal
+    assert rel_error(logits, reference) < 1e-5
+    calls, logits = compiled_attention_masks(fast, **batch)
+    assert calls == [(False, True)] * 2  # compiled too
+    assert rel_error(logits, reference) < 1e-5
+    built, _ = compiled_attention_masks(plain, **batch)  # transformers compiled: it cannot rule out packing
+    print(f"'sdpa' compiled: {built}")
 
 
 def test_a_padding_mask_or_a_cache_still_builds_the_mask():
-    plain = tiny_llama(0)
+    plain = llama(0)
     fast = copy.deepcopy(plain)
     skip_causal_mask(fast)
     mask = torch.ones(2, 32, dtype=torch.long)
     mask[1, :5] = 0  # left padding in the second row
     batch = dict(input_ids=ids(), attention_mask=mask)
     _, reference = attention_calls(plain, **batch)
-    for model in (fast, torch.compile(fast, backend="eager")):
-        calls, logits = attention_calls(model, **batch)
+    for calls, logits in (attention_calls(fast, **batch), compiled_attention_masks(fast, **batch)):
         assert calls and all(has_mask for has_mask, _ in calls)
         assert rel_error(logits[1, 5:], reference[1, 5:]) < 1e-5 and rel_error(logits[0], reference[0]) < 1e-5
+    # position ids the caller passes (packed sequences: two of 16 in a row) are honoured, compiled too
+    positions = torch.arange(32).remainder(16).expand(2, -1)
+    _, reference = attention_calls(plain, input_ids=ids(), position_ids=positions)
+    calls, logits = compiled_attention_masks(fast, input_ids=ids(), position_ids=positions)
+    assert calls and all(has_mask for has_mask, _ in calls)
+    assert rel_error(logits, reference) < 1e-5
     # decoding with a KV cache (more keys than queries) matches "sdpa" token for token
     prompt = ids(batch=1, seq=8)
-    want = plain.generate(prompt, max_new_tokens=6, do_sample=False)
-    got = fast.generate(prompt, max_new_tokens=6, do_sample=False)
+    want = plain.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    got = fast.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     assert torch.equal(got, want)
 
 
@@ -124,10 +159,22 @@ def test_conversion_switches_and_export_or_the_recipe_keeps_sdpa():
     assert eager.config._attn_implementation == "eager"  # only "sdpa" is switched
 
 
+def test_a_failed_forward_leaves_no_model_thinking_its_positions_are_its_own():
+    from fp8plug import attention
+
+    fast = llama(0)
+    skip_causal_mask(fast)
+    with pytest.raises(Exception):
+        fast(input_ids=torch.full((1, 8), VOCAB + 5))  # out of the vocabulary: the embedding raises
+    assert attention._POSITIONS.own is False
+    export_model(fast)
+    assert not fast._forward_pre_hooks and not fast.model._forward_hooks
+
+
 def test_a_peft_model_is_switched_inside():
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=4, target_modules="all-linear"))
+    model = peft.get_peft_model(llama(0), peft.LoraConfig(r=4, target_modules="all-linear"))
     fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
     assert model.get_base_model().config._attn_implementation == FP8PLUG_SDPA
-    calls, _ = attention_calls(model, input_ids=ids())
+    calls, _ = compiled_attention_masks(model, input_ids=ids())
     assert calls == [(False, True)] * 2

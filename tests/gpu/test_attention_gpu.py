@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
 from fp8plug.attention import FP8PLUG_SDPA  # noqa: E402
-from tests.test_attention import SdpaCalls  # noqa: E402
+from tests.test_attention import compiled_attention_masks  # noqa: E402
 
 
 def small_llama():
@@ -25,25 +25,22 @@ def small_llama():
     return LlamaForCausalLM(config).cuda().to(torch.bfloat16)
 
 
-def calls_and_logits(model, ids):
-    with SdpaCalls() as spy, torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    return spy.calls, logits
-
-
 def test_compiled_llama_attention_takes_is_causal_and_matches_sdpa(capsys):
     torch._dynamo.reset()
     ids = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    plain = small_llama()
-    _, reference = calls_and_logits(plain, ids)
-    sdpa_compiled, _ = calls_and_logits(torch.compile(copy.deepcopy(plain), backend="eager"), ids)
-    torch._dynamo.reset()
+    plain = small_llama().eval()
+    with torch.no_grad():
+        reference = plain(input_ids=ids).logits.float()
+    sdpa_compiled, _ = compiled_attention_masks(copy.deepcopy(plain), input_ids=ids)
 
     model = copy.deepcopy(plain)
     fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
     assert model.config._attn_implementation == FP8PLUG_SDPA
     model.eval()  # FP8 is off in eval by default: the logits differ from sdpa's by the kernel only
-    calls, logits = calls_and_logits(torch.compile(model, backend="eager"), ids)
+    calls, _ = compiled_attention_masks(model, input_ids=ids)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model)(input_ids=ids).logits.float()  # inductor
     with capsys.disabled():
         print(f"\n  compiled 'sdpa' attention calls (mask given, is_causal): {sdpa_compiled}; "
               f"fp8plug's: {calls}")
