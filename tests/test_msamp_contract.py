@@ -175,6 +175,17 @@ def test_prepare_initializes_the_pair(msamp, engine, level):
     assert error < 1e-3  # MS-AMP keeps weights in FP16
 
 
+def test_weights_frozen_before_prepare_stay_frozen(msamp, engine):
+    """MS-AMP builds each FP8Linear with a new, trainable weight; a frozen one (a LoRA base) must
+    come back frozen, or it gets a weight gradient every step."""
+    model, _ = _pair()
+    model.down.weight.requires_grad = False
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    new_model, _ = engine.prepare(model, optimizer, _recipe())
+    assert isinstance(new_model.down, msamp.nn.FP8Linear) and new_model.down.weight.requires_grad is False
+    assert new_model.up.weight.requires_grad is True
+
+
 def test_prepare_maps_adam_to_lbadam(msamp, engine):
     model = Net()
     _, new_optimizer = engine.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3), _recipe())

@@ -217,7 +217,9 @@ class MSAMPEngine(Engine):
         import msamp
 
         was_adamw = isinstance(optimizer, torch.optim.AdamW)
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
         new_model, new_optimizer = msamp.initialize(model, optimizer, opt_level=plan.opt_level)
+        _refreeze(new_model, frozen)
         if was_adamw and getattr(new_optimizer, "use_adam", False):
             raise RuntimeError(
                 f"msamp.initialize turned torch.optim.AdamW into {type(new_optimizer).__name__} (Adam with "
@@ -296,6 +298,19 @@ def _check_optimizer(model: nn.Module, optimizer) -> None:
             "msamp.initialize maps the optimizer onto the model's parameters, so build the optimizer over "
             "model.parameters() only."
         )
+
+
+def _refreeze(model: nn.Module, frozen) -> None:
+    """Freeze again the weights that were frozen before msamp.initialize (a LoRA base, say).
+
+    Why: MS-AMP's LinearReplacer gives every FP8Linear a new ScalingParameter, trainable by
+    default (msamp/nn/linear.py), so a frozen Linear came back trainable and got a weight
+    gradient every step. MS-AMP's backward reads `weight.requires_grad` and skips that GEMM when
+    it is False (msamp/nn/functional.py), so the attribute is set, not `requires_grad_()`, which
+    on a ScalingTensor sets a field backward does not read."""
+    for name, param in model.named_parameters():
+        if name in frozen and param.requires_grad:
+            param.requires_grad = False
 
 
 def _install_plain_checkpoints(model: nn.Module) -> None:
