@@ -4,8 +4,8 @@ Why: a transformers model on its default attention ("sdpa") hands SDPA `is_causa
 mask where it can prove the mask is plain causal, and otherwise builds a 4-D boolean mask. Under
 torch.compile it cannot prove it: the model makes its own position ids when none are passed,
 and transformers checks them for packed sequences, a check that needs their values, so while
-compiling it assumes packing and builds the mask (transformers 5.10-5.23 on torch 2.11; from
-5.23 on torch >= 2.14 a second guard is lifted, the packing check remains). SDPA then cannot take
+compiling it assumes packing and builds the mask (read in transformers 5.10, 5.17 and 5.23; a
+model with a KV cache in use skips the check). SDPA then cannot take
 its causal kernels: cuDNN runs the full square with the mask read, or torch falls back to its
 memory-efficient kernel, and grouped-query models repeat K and V to every head first. Measured
 on the benchmark Llama (H100, docs/performance.md, "Session 11"): attention 0.77 + 2.34 ms a
@@ -13,8 +13,8 @@ layer compiled against 0.26 + 0.70 eagerly (forward + backward), and 33 ms a ste
 LoRA, where the memory-efficient kernel ran.
 
 What: two pieces, both only for models fp8plug converted.
-- While such a model runs a forward to which no position ids were passed (its own are
-  0..T-1 after any cache, so nothing can be packed), transformers' packed-sequence check answers
+- While such a model runs a forward to which no position ids were passed (it makes consecutive
+  ones itself, so nothing can be packed), transformers' packed-sequence check answers
   "not packed" (fp8plug._upstream.report_unpacked_while; a forward hook that always runs ends it).
 - The model's attention is FP8PLUG_SDPA, registered with transformers' registries: its attention
   function is transformers' own SDPA function, unchanged; its mask function is transformers'
