@@ -1,6 +1,7 @@
 """fp8plug.attention on the CPU with the real transformers: a converted Llama's SDPA gets
 is_causal and no mask, compiled too, computes what "sdpa" computes, and still builds the mask
-wherever one is needed (a padding mask, a KV cache); the switch is undone for shipping.
+wherever one is needed (a padding mask, position ids the caller passes, a KV cache, a sliding
+window); a failed forward leaves no state behind; the switch is undone for shipping.
 
 Which kernel SDPA picks on a GPU, and what that is worth, is benchmarks/hf_llama.py's
 (docs/performance.md, "Session 11")."""
