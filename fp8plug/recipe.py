@@ -21,6 +21,8 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
     class KwargsHandler:  # type: ignore[no-redef]
         """Stand-in for accelerate.utils.KwargsHandler where accelerate is not installed."""
 
+from .recipe_env import ENV_NAMES, MODULES_TO_IGNORE_ENV, env_override, env_value, parse_bool  # noqa: E402
+
 BACKEND_ALIASES = {
     "msamp": "msamp",
     "ms-amp": "msamp",
@@ -83,75 +85,6 @@ BOUNDS = {
     # tokens per GPU per step: a GEMM dimension, so it must fit int32
     "auto_filter_tokens": (1, 2**31 - 1, "it is a GEMM dimension and must fit in int32"),
 }
-
-# field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
-# launch exports its argparse default for every field even when nobody set it, so a launch value
-# equal to that default is only trusted when the wizard's name is absent.
-ENV_NAMES = {
-    "backend": ("ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_ENGINE"),  # `engine:`: a key accelerate ignores
-    "use_autocast_during_eval": ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", None),
-    "opt_level": ("ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_OPTIMIZATION_LEVEL"),
-    "margin": ("ACCELERATE_FP8_MARGIN", None),
-    "interval": ("ACCELERATE_FP8_INTERVAL", None),
-    "fp8_format": ("ACCELERATE_FP8_FORMAT", None),
-    "amax_history_len": ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH"),
-    "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
-    "enable_fsdp_float8_all_gather": ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", None),
-    "pad_inner_dim": ("ACCELERATE_FP8_PAD_INNER_DIM", None),
-    # fp8plug's own fields: `accelerate launch` still exports them from a config file's
-    # `fp8_config:` section as ACCELERATE_FP8_<KEY>; FP8PLUG_* is for setting them by hand.
-    "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", "ACCELERATE_FP8_OPTIMIZER_STATES"),
-    "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
-    "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
-    "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
-    "reduce_amax": ("FP8PLUG_REDUCE_AMAX", "ACCELERATE_FP8_REDUCE_AMAX"),
-    "skip_causal_mask": ("FP8PLUG_SKIP_CAUSAL_MASK", "ACCELERATE_FP8_SKIP_CAUSAL_MASK"),
-}
-MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
-OVERRIDE_ENV_NAMES = (
-    "ACCELERATE_FP8_OVERRIDE_FPROP",
-    "ACCELERATE_FP8_OVERRIDE_DGRAD",
-    "ACCELERATE_FP8_OVERRIDE_WGRAD",
-)
-_TRUE = ("true", "1", "yes", "y", "on")
-_FALSE = ("false", "0", "no", "n", "off", "")
-
-
-def parse_bool(value, name: str) -> bool:
-    """Read a boolean written as true/false/1/0 (any case), as launch and config files write it."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{name}: {value!r} is not a boolean; use true/false or 1/0.")
-
-
-def _env_value(name: str, environ) -> Optional[str]:
-    launch_name, wizard_name = ENV_NAMES[name]
-    launch_value = environ.get(launch_name)
-    wizard_value = environ.get(wizard_name) if wizard_name else None
-    default = DEFAULTS[name]
-    if launch_value is not None and not _same(launch_value, default):
-        return launch_value
-    if wizard_value is not None:
-        return wizard_value
-    return launch_value
-
-
-def _same(text: str, default) -> bool:
-    """Whether an environment string spells the launch default (so may not be the user's choice)."""
-    return default is not None and text.strip().lower() == str(default).lower()
-
-
-def _env_override(environ) -> Optional[Tuple[bool, bool, bool]]:
-    values = [environ.get(n) for n in OVERRIDE_ENV_NAMES]
-    if all(v is None for v in values):
-        return None
-    return tuple(parse_bool(v or "false", n) for v, n in zip(values, OVERRIDE_ENV_NAMES))
-
 
 def normalize_backend(value) -> Optional[str]:
     """Canonical backend name ("msamp", "te", "ao", "native") from any spelling and case."""
@@ -278,7 +211,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             if value is None and name in ENV_NAMES:
                 self._explicit_fields = self._explicit_fields - {name}
                 self._sources.pop(name, None)
-                resolved = _env_value(name, os.environ)
+                resolved = env_value(name, os.environ, DEFAULTS[name])
                 object.__setattr__(self, name, resolved if resolved is not None else DEFAULTS[name])
             else:
                 self._explicit_fields = self._explicit_fields | {name}
@@ -317,7 +250,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         self._sources: Dict[str, str] = {}
         for name in ENV_NAMES:
             if getattr(self, name) is None:
-                value = _env_value(name, environ)
+                value = env_value(name, environ, DEFAULTS[name])
                 if value is not None:
                     self._sources[name] = next(n for n in ENV_NAMES[name] if n and environ.get(n) == value)
                 setattr(self, name, value if value is not None else DEFAULTS[name])
@@ -326,7 +259,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             if text is not None:
                 self.modules_to_ignore = _name_list(text)
         if self.override_linear_precision is None:
-            env = _env_override(environ)
+            env = env_override(environ)
             self.override_linear_precision = env if env is not None else DEFAULTS["override_linear_precision"]
 
     def _validate(self) -> None:
