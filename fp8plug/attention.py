@@ -72,18 +72,14 @@ def _positions_are_own() -> bool:
     return _POSITIONS.own
 
 
-def _registered() -> bool:
-    """Register FP8PLUG_SDPA with transformers' attention and mask registries (once); False where
-    this transformers has no such registries."""
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-    except ImportError:
-        return False
+def _register() -> None:
+    """Register FP8PLUG_SDPA with transformers' attention and mask registries (once)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
     if FP8PLUG_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionInterface.register(FP8PLUG_SDPA, ALL_ATTENTION_FUNCTIONS[SDPA])
         AttentionMaskInterface.register(FP8PLUG_SDPA, causal_or_sdpa_mask)
-    return True
 
 
 def causal_or_sdpa_mask(*args, **kwargs) -> Optional[Any]:
@@ -147,21 +143,15 @@ def _implementations(model: nn.Module) -> set:
     return names
 
 
-def _set(model: nn.Module, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # pragma: no cover - every transformers setup.cfg allows has it
-        raise RuntimeError("fp8plug.attention needs transformers' PreTrainedModel.set_attn_implementation")
-
-
 def skip_causal_mask(model: nn.Module) -> bool:
     """Switch every transformers model in `model` whose attention is "sdpa" (all of its configs)
     to FP8PLUG_SDPA; logs once per model class. Returns whether any was switched."""
     switched = False
     for hf_model in _transformers_models(model):
-        if _implementations(hf_model) != {SDPA} or not _registered():
+        if _implementations(hf_model) != {SDPA}:
             continue
-        _set(hf_model, FP8PLUG_SDPA)
+        _register()
+        hf_model.set_attn_implementation(FP8PLUG_SDPA)
         report_unpacked_while(_positions_are_own)
         for module in _transformers_models_within(hf_model):
             if _note_positions not in module._forward_pre_hooks.values():
@@ -183,7 +173,7 @@ def restore_sdpa(model: nn.Module) -> None:
     """Put "sdpa" back wherever skip_causal_mask switched a model to FP8PLUG_SDPA, and its hooks off."""
     for hf_model in _transformers_models(model):
         if FP8PLUG_SDPA in _implementations(hf_model):
-            _set(hf_model, SDPA)
+            hf_model.set_attn_implementation(SDPA)
         for module in _transformers_models_within(hf_model):
             for hooks, hook in ((module._forward_pre_hooks, _note_positions), (module._forward_hooks, _end_positions)):
                 for key in [k for k, fn in hooks.items() if fn is hook]:
