@@ -34,6 +34,7 @@ FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 SCALE_MAX = 2.0**126
 # What an amax slot holds when nothing was recorded in the step (a real amax is >= 0).
 NOT_RECORDED = -1.0
+_INF = float("inf")
 
 
 def amax_of(t: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,15 @@ def amax_of(t: torch.Tensor) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int = 0, fallback=None) -> torch.Tensor:
     """TransformerEngine's formula, scale = fp8_max / amax / 2**margin, at most SCALE_MAX; where
     amax is zero, negative (not recorded) or not finite, `fallback` (or 1) is kept instead."""
-    scale = (fp8_max / amax / (2.0**margin)).clamp(max=SCALE_MAX)
-    keep = fallback if fallback is not None else torch.ones_like(scale)
-    return torch.where((amax > 0) & torch.isfinite(amax), scale, keep)
+    scale = fp8_max / amax
+    if margin:
+        scale = scale / (2.0**margin)
+    scale = scale.clamp(max=SCALE_MAX)
+    # `amax < inf` is False for NaN too; a Python 1.0 rather than ones_like: every op written here
+    # is an op torch.compile traces, lowers and schedules for each cast of each layer (the time to
+    # the first step), so the rules are spelled in the fewest ops
+    usable = (amax > 0) & (amax < _INF)
+    return torch.where(usable, scale, fallback if fallback is not None else 1.0)
 
 
 def delayed_scale(prev_scale: torch.Tensor, use_prev: torch.Tensor, amax: torch.Tensor, fp8_max,
@@ -74,7 +81,10 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     has no inf (and the one-pass CUDA cast, backends._fused_cast, writes the same bytes)."""
     limit = FP8_MAX[dtype]
     scaled = t.float() * scale
-    return torch.where(torch.isfinite(scaled), scaled.clamp(-limit, limit), torch.nan).to(dtype)
+    # `scaled - scaled` is NaN exactly where `scaled` is not finite. Not a NaN constant: the
+    # compiler's common-subexpression pass never merges nodes holding one (NaN != NaN), so two
+    # layers casting the same input (q, k and v) would each keep their own FP8 copy for backward
+    return torch.where(scaled.abs() < _INF, scaled.clamp(-limit, limit), scaled - scaled).to(dtype)
 
 
 def record_amax(recorded: torch.Tensor, amax: torch.Tensor) -> None:

@@ -235,6 +235,43 @@ def test_compiles_without_graph_breaks():
     assert layer.fp8_step.tolist() == [3, 3, 3]
 
 
+def test_compiled_layers_sharing_an_input_keep_one_fp8_copy_of_it():
+    """q, k and v (gate and up) read one tensor. Compiled with dynamic scaling (the compiled
+    default), their casts of it are one cast, and backward keeps one transposed FP8 copy of it,
+    not one per layer: 1.9 GB of issue 27's Llama (the copies were not merged while the cast
+    spelled NaN as a constant, since NaN != NaN). Read from the graph torch.compile's partitioner
+    hands backward, the one inductor compiles. (Delayed scaling casts with each layer's own
+    scale: one copy per layer there.)"""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    class SharedInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(64, 128, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) + self.v(x)
+
+    saved = []
+
+    def backward_inputs(gm, _inputs):
+        saved.extend(node.meta["val"] for node in gm.graph.nodes
+                     if node.op == "placeholder" and not node.name.startswith("tangents"))
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=lambda gm, _inputs: gm.forward, bw_compiler=backward_inputs,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    model = SharedInput()
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native", scaling="dynamic", auto_filter=False))
+    x = torch.randn(32, 64, requires_grad=True)
+    torch.compile(model, backend=backend, fullgraph=True)(x).float().sum().backward()
+    fp8_inputs = [t for t in saved if isinstance(t, torch.Tensor) and t.dtype == E4M3 and t.numel() == x.numel()]
+    fp8_weights = [t for t in saved if isinstance(t, torch.Tensor) and t.dtype == E4M3 and t.numel() == 64 * 128]
+    assert len(fp8_inputs) == 1 and len(fp8_weights) == 3
+
+
 def test_conversion_keeps_parameters_and_state_dict():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     params_before = [id(p) for p in model.parameters()]
