@@ -53,8 +53,6 @@ PROCESS_START = time.time()  # what --row uses when its parent did not pass --t0
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -69,8 +67,10 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from step_profile import memory_at_peak, profile_steps  # noqa: E402
-from train_step import count_fp8_modules  # noqa: E402
+from hf_llama_measure import (StepClock, dynamo_graphs, gpu_memory, model_facts, note_early_step,  # noqa: E402
+                              step_numbers)
+from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
+from step_profile import profile_steps  # noqa: E402
 
 PRESETS = {
     # the model of issue 15
@@ -112,72 +112,9 @@ ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row]
 REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
-LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps
-ALPHABET, NOISE = 1024, 0.1  # the synthetic task (make_batches)
 
 
-# --- the task -------------------------------------------------------------------------------------
-
-
-def make_batches(spec: dict, steps: int, seed: int = 1234):
-    """`steps` batches of a learnable task: each sequence walks a fixed random permutation of the
-    first min(vocab, 1024) token ids (next = perm[previous]), except that with probability 0.1 a
-    token is drawn afresh. A bigram model can learn it; its loss floor (`loss_floor`) is known, so
-    a loss is meaningful in absolute terms. Vectorised: the token at i is perm applied (i - j)
-    times to the fresh draw at j, the last fresh position <= i."""
-    import torch
-
-    k, batch, seq = min(spec["vocab"], ALPHABET), spec["batch"], spec["seq"]
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(k, generator=gen)
-    powers = torch.empty(seq, k, dtype=torch.long)
-    powers[0] = torch.arange(k)
-    for i in range(1, seq):
-        powers[i] = perm[powers[i - 1]]
-    n = steps * batch
-    fresh = torch.rand(n, seq, generator=gen) < NOISE
-    fresh[:, 0] = True
-    draws = torch.randint(k, (n, seq), generator=gen)
-    pos = torch.arange(seq).expand(n, seq)
-    last = torch.where(fresh, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return powers[pos - last, draws.gather(1, last)].view(steps, batch, seq)
-
-
-def loss_floor(spec: dict) -> float:
-    """The cross-entropy (nats) of the best possible predictor of make_batches' tokens."""
-    k = min(spec["vocab"], ALPHABET)
-    hit, miss = 1 - NOISE + NOISE / k, NOISE / k
-    return -(hit * math.log(hit) + (k - 1) * miss * math.log(miss))
-
-
-# --- one row, in its own process ------------------------------------------------------------------------
-
-
-def build_model(spec: dict, device):
-    """LlamaForCausalLM from a config, fp32 weights built directly on `device`, seed 0."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
-        tie_word_embeddings=False, use_cache=False,
-    )
-    if spec.get("liger"):  # patches transformers' Llama classes (this row's process only)
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    if spec.get("lora"):  # PEFT LoRA on every projection: the base frozen, the adapters trained
-        import peft
-
-        lora = peft.LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"],
-                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = peft.get_peft_model(model, lora)
-    return model.train()
+# --- one row, in its own process (the task and the model: hf_llama_task.py) -------------------------
 
 
 def unavailable(row: str, device) -> str:
@@ -251,8 +188,7 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         skip_causal_mask(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
-    warmup = max(1, steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+    scheduler = warmup_schedule(optimizer, steps)
     if mode == "precompiled":
         model = torch.compile(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -288,29 +224,13 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
 
 def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float, profile: int = 0) -> dict:
     import torch
-    from torch._dynamo.utils import counters
 
     cuda = device.type == "cuda"
     accelerator, model, optimizer, scheduler = setup(row, spec, device, steps, lr)
     prepared_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
     data = make_batches(spec, steps).to(accelerator.device)
-    engine = getattr(accelerator, "fp8_engine", None)
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    not_stepped = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in stepped)
-    out = dict(engine=engine.name if engine is not None else BASES[row.rsplit("-", 1)[0]][2],
-               fp8_modules=count_fp8_modules(model), params_not_stepped=not_stepped)
-    if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
-        raise RuntimeError("no module was converted to FP8")
-    for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
-        out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
-    marks, losses = [], []
-
-    def mark():  # the end of a step: a CUDA event on the GPU (no sync), the clock on the CPU
-        if cuda:
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
-        else:
-            marks.append(time.perf_counter())
+    out = model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2])
+    clock, losses = StepClock(cuda), []
 
     def step(i):
         loss = model(input_ids=data[i], labels=data[i]).loss
@@ -320,48 +240,19 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    mark()
+    marks = [clock.mark()]  # the end of each step (the first: the start of step 0)
     for i in range(steps):
         losses.append(step(i))
-        mark()
-        if i in (0, warmup - 1):
-            if cuda:
-                torch.cuda.synchronize()
-            out.setdefault("first_step_s", time.time() - t0)
-            out.setdefault("compile", compile_breakdown())
-            if i == warmup - 1:
-                out["warm_s"] = time.time() - t0
+        marks.append(clock.mark())
+        note_early_step(out, i, warmup, t0, cuda)
     if cuda:
         torch.cuda.synchronize()
-        ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        out["memory"] = dict(memory_at_peak(), after_prepare_gb=round(prepared_gb, 3))
+        out.update(gpu_memory(device, prepared_gb))
         if profile:
             out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
-    else:
-        ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    out["step_ms"] = statistics.median(ms[warmup:])
-    out["tokens_per_s"] = spec["batch"] * spec["seq"] / (out["step_ms"] / 1e3)
-    curve = torch.stack(losses).float().cpu().tolist()
-    out["loss"] = sum(curve[-LOSS_WINDOW:]) / len(curve[-LOSS_WINDOW:])
-    shown = sorted(set(range(0, steps, max(1, steps // 20))) | {steps - 1})
-    out["loss_curve"] = {str(i + 1): round(curve[i], 4) for i in shown}
-    out["dynamo_graphs"] = counters["stats"].get("unique_graphs", 0)
-    if not math.isfinite(out["loss"]):
-        raise FloatingPointError(f"loss is {out['loss']} after {steps} steps")
+    out.update(step_numbers(spec, steps, warmup, [clock.ms(a, b) for a, b in zip(marks, marks[1:])], losses))
+    out["dynamo_graphs"] = dynamo_graphs()
     return out
-
-
-def compile_breakdown(top: int = 20) -> dict:
-    """Where the compilation so far went, in seconds: torch.compile's phases (tracing, AOT
-    autograd, inductor, waiting for kernel compiles) and its `top` largest timed functions, so a
-    slow first step can be attributed."""
-    from torch._dynamo import utils
-
-    names, values = utils.compile_times(repr="csv", aggregate=True)
-    largest = sorted(zip(names, map(float, values)), key=lambda item: -item[1])[:top]
-    return dict(phases={k: round(v, 2) for k, v in utils.calculate_time_spent().items()},
-                largest={k: round(v, 2) for k, v in largest})
 
 
 # --- the parent: one process per row, the table ----------------------------------------------------
