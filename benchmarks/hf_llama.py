@@ -19,6 +19,7 @@ user's own `torch.compile(model)` after prepare (how most training loops compile
 first of the three. Each row runs in
 its own process (this script with --row), so memory, compile caches and engine globals cannot
 leak between rows. All rows train on the same data from the same initial weights.
+`--compile-backend` swaps inductor for another torch.compile backend in every compiled row.
 
 Reported per row: tokens/s (from the median step time over the steps after the warm-up, CUDA
 events), peak memory (torch.cuda.max_memory_allocated over the whole process), time from process
@@ -34,8 +35,8 @@ optimizer holds (a path that leaves weights untrained is not faster for a good r
 `apply_liger_kernel_to_llama()` (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy: its defaults)
 before each row builds its model, so `--rows bf16-compiled,fp8plug-compiled --liger` is bf16 + Liger
 against fp8plug + Liger (lm_head then stays in high precision in every row: Liger's loss reads its
-weight directly, docs/liger.md). The JSON's spec records both, and fp8plug rows record which Linear
-layers stayed in high precision and why (`high_precision_linears`).
+weight directly, docs/liger.md). The JSON's spec records both (and --compile-backend), and fp8plug
+rows record which Linear layers stayed in high precision and why (`high_precision_linears`).
 
     python3 benchmarks/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
@@ -179,8 +180,9 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         cls = fp8plug.Accelerator
     else:
         cls = accelerate.Accelerator
+    backend = spec.get("compile_backend", "inductor")
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
-                      dynamo_backend="inductor" if mode == "compiled" else "no")
+                      dynamo_backend=backend if mode == "compiled" else "no")
     model = build_model(spec, accelerator.device)
     if kind == "accelerate" and options.get("skip_causal_mask"):
         from fp8plug.attention import skip_causal_mask
@@ -190,10 +192,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
     scheduler = warmup_schedule(optimizer, steps)
     if mode == "precompiled":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=backend)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if mode == "usercompiled":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=backend)
     return accelerator, model, optimizer, scheduler
 
 
@@ -308,13 +310,15 @@ def table(meta: dict, rows: list) -> str:
 
     s = meta["spec"]
     ref = meta.get("reference") or "bf16"
+    backend = s.get("compile_backend", "inductor")
     lines = [
         f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
         f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
         f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}"
         + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else "")
         + ("; Liger kernels (apply_liger_kernel_to_llama defaults: RoPE, RMSNorm, SwiGLU, fused linear "
-           "cross-entropy)" if s.get("liger") else ""),
+           "cross-entropy)" if s.get("liger") else "")
+        + (f"; torch.compile backend {backend}" if backend != "inductor" else ""),
         f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
@@ -384,6 +388,9 @@ def parse_args(argv=None):
     p.add_argument("--liger", type=int, nargs="?", const=1, default=0, metavar="0|1",
                    help="apply liger-kernel's apply_liger_kernel_to_llama() (its defaults) before building the "
                         "model in every row: bf16 + Liger against fp8plug + Liger (needs liger-kernel and a GPU)")
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile's backend in every compiled row (default inductor; aot_eager traces the same "
+                        "graphs without inductor's build: quick on a CPU)")
     p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -394,6 +401,7 @@ def parse_args(argv=None):
                 f"{1 if bad else 2 if args.steps < 2 else 0}")
     args.spec["lora"] = args.lora
     args.spec["liger"] = int(bool(args.liger))
+    args.spec["compile_backend"] = args.compile_backend
     if args.lr is None:
         args.lr = 3e-3 if args.preset == "toy" else 3e-4
     if args.warmup is None:

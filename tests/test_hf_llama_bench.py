@@ -41,7 +41,7 @@ def toy_run(tmp_path_factory):
 def test_meta_says_what_ran_where(toy_run):
     data, rows, _ = toy_run
     meta = data["meta"]
-    assert meta["spec"] == dict(hf_llama.PRESETS["toy"], lora=0, liger=0)
+    assert meta["spec"] == dict(hf_llama.PRESETS["toy"], lora=0, liger=0, compile_backend="inductor")
     assert meta["steps"] == STEPS and meta["warmup"] == 1 and meta["device"] == "CPU"
     assert {"torch", "transformers", "accelerate"} <= set(meta["versions"])
     assert meta["reference"] == "bf16-eager"
