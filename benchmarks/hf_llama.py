@@ -12,21 +12,27 @@ row changes only the Accelerator:
   fp8plug                 fp8plug.Accelerator(mixed_precision="fp8")   (the automatic engine choice)
   fp8plug-native|ao|te    fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=...)])
 
-each `-eager`, `-compiled`, `-usercompiled` or `-precompiled`: compiled = the whole model under
-torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled = the
-user's own `torch.compile(model)` after prepare (how most training loops compile); precompiled =
-`torch.compile(model)` before prepare. The Accelerator knows how the model will run only in the
-first of the three. Each row runs in
-its own process (this script with --row), so memory, compile caches and engine globals cannot
-leak between rows. All rows train on the same data from the same initial weights.
-`--compile-backend` swaps inductor for another torch.compile backend in every compiled row.
+each `-eager`, `-compiled`, `-usercompiled`, `-precompiled` or `-trainer`: compiled = the whole
+model under torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled
+= the user's own `torch.compile(model)` after prepare (how most training loops compile);
+precompiled = `torch.compile(model)` before prepare; trainer = `transformers.Trainer` with
+`TrainingArguments(torch_compile=True)` running the loop instead (issue 27): bf16 rows a plain
+Trainer(bf16=True), fp8plug rows the same Trainer class with `fp8plug.transformers.FP8TrainerMixin`
+and the row's recipe, accelerate-* rows Accelerate's FP8 set through the environment that
+`accelerate launch --mixed_precision fp8` exports (TrainingArguments cannot carry a recipe
+handler); hf_llama_trainer.py says what it sets to match the other rows and how it measures. The
+Accelerator knows how the model will run only in compiled and trainer (Trainer hands it a dynamo
+plugin). `--compile-backend` swaps inductor for another torch.compile backend in every compiled
+row (the CPU tests use aot_eager). Each row runs in its own process (this script with --row), so
+memory, compile caches and engine globals cannot leak between rows. All rows train on the same
+data from the same initial weights (hf_llama_task.py).
 
 Reported per row: tokens/s (from the median step time over the steps after the warm-up, CUDA
 events), peak memory (torch.cuda.max_memory_allocated over the whole process), time from process
 start to the end of the first training step (imports, model construction, compilation included)
 and to the end of the warm-up (later recompilations included), and the loss after the last step
 (mean over the last 10 steps) on a learnable synthetic task with a known floor (see
-`make_batches`). Ratios are against bf16-compiled (bf16-eager where that did not run). The JSON
+`make_batches`). Ratios are against bf16-compiled (else bf16-eager, else bf16-trainer). The JSON
 also holds the loss curve, the engine, how many modules run in FP8, how many dynamo graphs were
 compiled (more than one: a recompilation) and `params_not_stepped`, the trainable parameters no
 optimizer holds (a path that leaves weights untrained is not faster for a good reason).
@@ -42,6 +48,8 @@ rows record which Linear layers stayed in high precision and why (`high_precisio
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
     python3 benchmarks/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
+    python3 benchmarks/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50   # Trainer(torch_compile=True)
+    python3 benchmarks/hf_llama.py --preset toy --device cpu --compile-backend aot_eager --rows bf16-trainer,fp8plug-trainer
     python3 benchmarks/hf_llama.py --table a.json b.json                  # merge runs into one table
 """
 
@@ -107,12 +115,13 @@ BASES = {
 }
 # How the model is held: eager; `compiled`, Accelerate's dynamo_backend="inductor" (the
 # Accelerator knows before prepare); `usercompiled`, the user's own torch.compile(model) after
-# prepare (most training loops); `precompiled`, torch.compile(model) before prepare.
-MODES = ("eager", "compiled", "usercompiled", "precompiled")
+# prepare (most training loops); `precompiled`, torch.compile(model) before prepare; `trainer`,
+# transformers.Trainer(torch_compile=True) runs the loop (hf_llama_trainer.py).
+MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row]
-REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
+REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with numbers is the ratios' base
 
 
 # --- one row, in its own process (the task and the model: hf_llama_task.py) -------------------------
@@ -140,7 +149,7 @@ def unavailable(row: str, device) -> str:
         return "" if verdict.usable else verdict.reason
     try:  # the Accelerator's own choice for this mode: choosing by order would import every engine,
         # TransformerEngine too, whose cuDNN then costs the row cuDNN attention (seen on the H100)
-        select_backend(None, device, compiled=True if row.endswith("-compiled") else None)
+        select_backend(None, device, compiled=True if row.endswith(("-compiled", "-trainer")) else None)
     except BackendUnavailableError as exc:
         return str(exc).splitlines()[0]
     return ""
@@ -227,6 +236,10 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
 def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float, profile: int = 0) -> dict:
     import torch
 
+    if row.endswith("-trainer"):  # transformers.Trainer runs the loop
+        from hf_llama_trainer import train_with_trainer
+
+        return train_with_trainer(BASES[row.rsplit("-", 1)[0]], spec, steps, warmup, lr, device, t0)
     cuda = device.type == "cuda"
     accelerator, model, optimizer, scheduler = setup(row, spec, device, steps, lr)
     prepared_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
