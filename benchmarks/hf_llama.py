@@ -12,20 +12,27 @@ row changes only the Accelerator:
   fp8plug                 fp8plug.Accelerator(mixed_precision="fp8")   (the automatic engine choice)
   fp8plug-native|ao|te    fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=...)])
 
-each `-eager`, `-compiled`, `-usercompiled` or `-precompiled`: compiled = the whole model under
-torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled = the
-user's own `torch.compile(model)` after prepare (how most training loops compile); precompiled =
-`torch.compile(model)` before prepare. The Accelerator knows how the model will run only in the
-first of the three. Each row runs in
-its own process (this script with --row), so memory, compile caches and engine globals cannot
-leak between rows. All rows train on the same data from the same initial weights.
+each `-eager`, `-compiled`, `-usercompiled`, `-precompiled` or `-trainer`: compiled = the whole
+model under torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled
+= the user's own `torch.compile(model)` after prepare (how most training loops compile);
+precompiled = `torch.compile(model)` before prepare; trainer = `transformers.Trainer` with
+`TrainingArguments(torch_compile=True)` running the loop instead (issue 27): bf16 rows a plain
+Trainer(bf16=True), fp8plug rows the same Trainer class with `fp8plug.transformers.FP8TrainerMixin`
+and the row's recipe, accelerate-* rows Accelerate's FP8 set through the environment that
+`accelerate launch --mixed_precision fp8` exports (TrainingArguments cannot carry a recipe
+handler); hf_llama_trainer.py says what it sets to match the other rows and how it measures. The
+Accelerator knows how the model will run only in compiled and trainer (Trainer hands it a dynamo
+plugin). `--compile-backend` swaps inductor for another torch.compile backend in every compiled
+row (the CPU tests use aot_eager). Each row runs in its own process (this script with --row), so
+memory, compile caches and engine globals cannot leak between rows. All rows train on the same
+data from the same initial weights (hf_llama_task.py).
 
 Reported per row: tokens/s (from the median step time over the steps after the warm-up, CUDA
 events), peak memory (torch.cuda.max_memory_allocated over the whole process), time from process
 start to the end of the first training step (imports, model construction, compilation included)
 and to the end of the warm-up (later recompilations included), and the loss after the last step
 (mean over the last 10 steps) on a learnable synthetic task with a known floor (see
-`make_batches`). Ratios are against bf16-compiled (bf16-eager where that did not run). The JSON
+`make_batches`). Ratios are against bf16-compiled (else bf16-eager, else bf16-trainer). The JSON
 also holds the loss curve, the engine, how many modules run in FP8, how many dynamo graphs were
 compiled (more than one: a recompilation) and `params_not_stepped`, the trainable parameters no
 optimizer holds (a path that leaves weights untrained is not faster for a good reason).
@@ -34,13 +41,15 @@ optimizer holds (a path that leaves weights untrained is not faster for a good r
 `apply_liger_kernel_to_llama()` (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy: its defaults)
 before each row builds its model, so `--rows bf16-compiled,fp8plug-compiled --liger` is bf16 + Liger
 against fp8plug + Liger (lm_head then stays in high precision in every row: Liger's loss reads its
-weight directly, docs/liger.md). The JSON's spec records both, and fp8plug rows record which Linear
-layers stayed in high precision and why (`high_precision_linears`).
+weight directly, docs/liger.md). The JSON's spec records both (and --compile-backend), and fp8plug
+rows record which Linear layers stayed in high precision and why (`high_precision_linears`).
 
     python3 benchmarks/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
     python3 benchmarks/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
     python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
+    python3 benchmarks/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50   # Trainer(torch_compile=True)
+    python3 benchmarks/hf_llama.py --preset toy --device cpu --compile-backend aot_eager --rows bf16-trainer,fp8plug-trainer
     python3 benchmarks/hf_llama.py --table a.json b.json                  # merge runs into one table
 """
 
@@ -53,8 +62,6 @@ PROCESS_START = time.time()  # what --row uses when its parent did not pass --t0
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -69,8 +76,10 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from step_profile import memory_at_peak, profile_steps  # noqa: E402
-from train_step import count_fp8_modules  # noqa: E402
+from hf_llama_measure import (StepClock, dynamo_graphs, gpu_memory, model_facts, note_early_step,  # noqa: E402
+                              step_numbers)
+from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
+from step_profile import profile_steps  # noqa: E402
 
 PRESETS = {
     # the model of issue 15
@@ -106,78 +115,16 @@ BASES = {
 }
 # How the model is held: eager; `compiled`, Accelerate's dynamo_backend="inductor" (the
 # Accelerator knows before prepare); `usercompiled`, the user's own torch.compile(model) after
-# prepare (most training loops); `precompiled`, torch.compile(model) before prepare.
-MODES = ("eager", "compiled", "usercompiled", "precompiled")
+# prepare (most training loops); `precompiled`, torch.compile(model) before prepare; `trainer`,
+# transformers.Trainer(torch_compile=True) runs the loop (hf_llama_trainer.py).
+MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row]
-REFERENCES = ("bf16-compiled", "bf16-eager")  # the first of these with numbers is the ratios' base
-LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps
-ALPHABET, NOISE = 1024, 0.1  # the synthetic task (make_batches)
+REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with numbers is the ratios' base
 
 
-# --- the task -------------------------------------------------------------------------------------
-
-
-def make_batches(spec: dict, steps: int, seed: int = 1234):
-    """`steps` batches of a learnable task: each sequence walks a fixed random permutation of the
-    first min(vocab, 1024) token ids (next = perm[previous]), except that with probability 0.1 a
-    token is drawn afresh. A bigram model can learn it; its loss floor (`loss_floor`) is known, so
-    a loss is meaningful in absolute terms. Vectorised: the token at i is perm applied (i - j)
-    times to the fresh draw at j, the last fresh position <= i."""
-    import torch
-
-    k, batch, seq = min(spec["vocab"], ALPHABET), spec["batch"], spec["seq"]
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(k, generator=gen)
-    powers = torch.empty(seq, k, dtype=torch.long)
-    powers[0] = torch.arange(k)
-    for i in range(1, seq):
-        powers[i] = perm[powers[i - 1]]
-    n = steps * batch
-    fresh = torch.rand(n, seq, generator=gen) < NOISE
-    fresh[:, 0] = True
-    draws = torch.randint(k, (n, seq), generator=gen)
-    pos = torch.arange(seq).expand(n, seq)
-    last = torch.where(fresh, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return powers[pos - last, draws.gather(1, last)].view(steps, batch, seq)
-
-
-def loss_floor(spec: dict) -> float:
-    """The cross-entropy (nats) of the best possible predictor of make_batches' tokens."""
-    k = min(spec["vocab"], ALPHABET)
-    hit, miss = 1 - NOISE + NOISE / k, NOISE / k
-    return -(hit * math.log(hit) + (k - 1) * miss * math.log(miss))
-
-
-# --- one row, in its own process ------------------------------------------------------------------------
-
-
-def build_model(spec: dict, device):
-    """LlamaForCausalLM from a config, fp32 weights built directly on `device`, seed 0."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
-        tie_word_embeddings=False, use_cache=False,
-    )
-    if spec.get("liger"):  # patches transformers' Llama classes (this row's process only)
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    if spec.get("lora"):  # PEFT LoRA on every projection: the base frozen, the adapters trained
-        import peft
-
-        lora = peft.LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"],
-                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = peft.get_peft_model(model, lora)
-    return model.train()
+# --- one row, in its own process (the task and the model: hf_llama_task.py) -------------------------
 
 
 def unavailable(row: str, device) -> str:
@@ -202,7 +149,7 @@ def unavailable(row: str, device) -> str:
         return "" if verdict.usable else verdict.reason
     try:  # the Accelerator's own choice for this mode: choosing by order would import every engine,
         # TransformerEngine too, whose cuDNN then costs the row cuDNN attention (seen on the H100)
-        select_backend(None, device, compiled=True if row.endswith("-compiled") else None)
+        select_backend(None, device, compiled=True if row.endswith(("-compiled", "-trainer")) else None)
     except BackendUnavailableError as exc:
         return str(exc).splitlines()[0]
     return ""
@@ -242,8 +189,9 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         cls = fp8plug.Accelerator
     else:
         cls = accelerate.Accelerator
+    backend = spec.get("compile_backend", "inductor")
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
-                      dynamo_backend="inductor" if mode == "compiled" else "no")
+                      dynamo_backend=backend if mode == "compiled" else "no")
     model = build_model(spec, accelerator.device)
     if kind == "accelerate" and options.get("skip_causal_mask"):
         from fp8plug.attention import skip_causal_mask
@@ -251,13 +199,12 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         skip_causal_mask(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, fused=accelerator.device.type == "cuda")
-    warmup = max(1, steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+    scheduler = warmup_schedule(optimizer, steps)
     if mode == "precompiled":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=backend)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if mode == "usercompiled":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=backend)
     return accelerator, model, optimizer, scheduler
 
 
@@ -288,29 +235,17 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
 
 def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float, profile: int = 0) -> dict:
     import torch
-    from torch._dynamo.utils import counters
 
+    if row.endswith("-trainer"):  # transformers.Trainer runs the loop
+        from hf_llama_trainer import train_with_trainer
+
+        return train_with_trainer(BASES[row.rsplit("-", 1)[0]], spec, steps, warmup, lr, device, t0)
     cuda = device.type == "cuda"
     accelerator, model, optimizer, scheduler = setup(row, spec, device, steps, lr)
     prepared_gb = torch.cuda.memory_allocated(device) / 1e9 if cuda else None
     data = make_batches(spec, steps).to(accelerator.device)
-    engine = getattr(accelerator, "fp8_engine", None)
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    not_stepped = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in stepped)
-    out = dict(engine=engine.name if engine is not None else BASES[row.rsplit("-", 1)[0]][2],
-               fp8_modules=count_fp8_modules(model), params_not_stepped=not_stepped)
-    if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
-        raise RuntimeError("no module was converted to FP8")
-    for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
-        out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
-    marks, losses = [], []
-
-    def mark():  # the end of a step: a CUDA event on the GPU (no sync), the clock on the CPU
-        if cuda:
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
-        else:
-            marks.append(time.perf_counter())
+    out = model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2])
+    clock, losses = StepClock(cuda), []
 
     def step(i):
         loss = model(input_ids=data[i], labels=data[i]).loss
@@ -320,48 +255,19 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    mark()
+    marks = [clock.mark()]  # the end of each step (the first: the start of step 0)
     for i in range(steps):
         losses.append(step(i))
-        mark()
-        if i in (0, warmup - 1):
-            if cuda:
-                torch.cuda.synchronize()
-            out.setdefault("first_step_s", time.time() - t0)
-            out.setdefault("compile", compile_breakdown())
-            if i == warmup - 1:
-                out["warm_s"] = time.time() - t0
+        marks.append(clock.mark())
+        note_early_step(out, i, warmup, t0, cuda)
     if cuda:
         torch.cuda.synchronize()
-        ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        out["memory"] = dict(memory_at_peak(), after_prepare_gb=round(prepared_gb, 3))
+        out.update(gpu_memory(device, prepared_gb))
         if profile:
             out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
-    else:
-        ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    out["step_ms"] = statistics.median(ms[warmup:])
-    out["tokens_per_s"] = spec["batch"] * spec["seq"] / (out["step_ms"] / 1e3)
-    curve = torch.stack(losses).float().cpu().tolist()
-    out["loss"] = sum(curve[-LOSS_WINDOW:]) / len(curve[-LOSS_WINDOW:])
-    shown = sorted(set(range(0, steps, max(1, steps // 20))) | {steps - 1})
-    out["loss_curve"] = {str(i + 1): round(curve[i], 4) for i in shown}
-    out["dynamo_graphs"] = counters["stats"].get("unique_graphs", 0)
-    if not math.isfinite(out["loss"]):
-        raise FloatingPointError(f"loss is {out['loss']} after {steps} steps")
+    out.update(step_numbers(spec, steps, warmup, [clock.ms(a, b) for a, b in zip(marks, marks[1:])], losses))
+    out["dynamo_graphs"] = dynamo_graphs()
     return out
-
-
-def compile_breakdown(top: int = 20) -> dict:
-    """Where the compilation so far went, in seconds: torch.compile's phases (tracing, AOT
-    autograd, inductor, waiting for kernel compiles) and its `top` largest timed functions, so a
-    slow first step can be attributed."""
-    from torch._dynamo import utils
-
-    names, values = utils.compile_times(repr="csv", aggregate=True)
-    largest = sorted(zip(names, map(float, values)), key=lambda item: -item[1])[:top]
-    return dict(phases={k: round(v, 2) for k, v in utils.calculate_time_spent().items()},
-                largest={k: round(v, 2) for k, v in largest})
 
 
 # --- the parent: one process per row, the table ----------------------------------------------------
@@ -417,13 +323,15 @@ def table(meta: dict, rows: list) -> str:
 
     s = meta["spec"]
     ref = meta.get("reference") or "bf16"
+    backend = s.get("compile_backend", "inductor")
     lines = [
         f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
         f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
         f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}"
         + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else "")
         + ("; Liger kernels (apply_liger_kernel_to_llama defaults: RoPE, RMSNorm, SwiGLU, fused linear "
-           "cross-entropy)" if s.get("liger") else ""),
+           "cross-entropy)" if s.get("liger") else "")
+        + (f"; torch.compile backend {backend}" if backend != "inductor" else ""),
         f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
@@ -493,6 +401,9 @@ def parse_args(argv=None):
     p.add_argument("--liger", type=int, nargs="?", const=1, default=0, metavar="0|1",
                    help="apply liger-kernel's apply_liger_kernel_to_llama() (its defaults) before building the "
                         "model in every row: bf16 + Liger against fp8plug + Liger (needs liger-kernel and a GPU)")
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile's backend in every compiled row (default inductor; aot_eager traces the same "
+                        "graphs without inductor's build: quick on a CPU)")
     p.add_argument("--row", default=None, help="run this one row in this process (what the parent runs)")
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -503,6 +414,7 @@ def parse_args(argv=None):
                 f"{1 if bad else 2 if args.steps < 2 else 0}")
     args.spec["lora"] = args.lora
     args.spec["liger"] = int(bool(args.liger))
+    args.spec["compile_backend"] = args.compile_backend
     if args.lr is None:
         args.lr = 3e-3 if args.preset == "toy" else 3e-4
     if args.warmup is None:
