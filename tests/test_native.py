@@ -272,6 +272,21 @@ def test_compiled_layers_sharing_an_input_keep_one_fp8_copy_of_it():
     assert len(fp8_inputs) == 1 and len(fp8_weights) == 3
 
 
+def test_compiled_delayed_model_compiles_once():
+    """The skipped-step guard (a forward pre-hook of a model with delayed layers) must not make a
+    compiled model compile twice: it used to look its layers up at the first forward, so the
+    second saw an attribute no longer None and dynamo compiled the hook again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native", scaling="delayed", auto_filter=False))
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            compiled(torch.randn(16, 64)).float().sum().backward()
+            sync_fp8_scaling(model)
+
+
 def test_conversion_keeps_parameters_and_state_dict():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     params_before = [id(p) for p in model.parameters()]

@@ -38,7 +38,8 @@ _TRACKED: "weakref.WeakKeyDictionary[nn.Module, _SkippedStepGuard]" = weakref.We
 class _SkippedStepGuard:
     """A tracked model's forward pre-hook: in training, forget what a skipped step recorded
     (scaling.forget_bad_step) before this forward records anything. A picklable object; the
-    model's delayed layers are looked up at the first training forward after (re)conversion."""
+    model's delayed layers are looked up when it is (re)converted, and after unpickling at the
+    first training forward."""
 
     def __init__(self):
         self.layers = None
@@ -70,7 +71,9 @@ def track_for_sync(model: nn.Module, engine) -> None:
     if guard is None:
         guard = _TRACKED[model] = _SkippedStepGuard()
         guard.handle = model.register_forward_pre_hook(guard)
-    guard.layers = None  # converted again: look the layers up anew
+    # converted (again): the layers looked up now, not at the first forward, where a compiled
+    # model would see the attribute change from None and compile the hook a second time
+    guard.layers = _delayed_layers([model])
     for module in model.modules():  # one guard per model: its layers' own ones would only repeat it
         inner = _TRACKED.get(module) if module is not model else None
         if inner is not None and getattr(inner, "handle", None) is not None:
