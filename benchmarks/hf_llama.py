@@ -87,8 +87,10 @@ PRESETS = {
     # DESIGN.md's probe decoder (ffn 16384, no grouped-query attention), as a LlamaForCausalLM
     "probe": dict(layers=4, hidden=4096, intermediate=16384, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=4),
     # issue 27's second model: Llama-3's shape (vocab 128256) at 8 layers, where lm_head and the
-    # loss are a large share of the step; batch 1 x 4096 fits one H100 with fp32 AdamW state
-    "llama3": dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=4096, batch=1),
+    # loss are a large share of the step. "Batch as fits": 2 x 4096 is the largest power of two
+    # every row fits on one H100 with fp32 AdamW state (bf16 eager peaks at 52.6 GB at 1 and 67.0
+    # at 2, so 4 would need about 96); sessions 10-12 ran batch 1 (docs/performance.md)
+    "llama3": dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=4096, batch=2),
     # CPU smoke size: every Linear width a multiple of 16 so that every engine converts it
     "toy": dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=64, batch=2),
 }

@@ -38,10 +38,11 @@ _INF = float("inf")
 
 
 def amax_of(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a float32 scalar (NaN if `t` holds a NaN). Reduced row by row first: a row
+    """max |t| as a float32 scalar (NaN if `t` holds a NaN), for a tensor autograd does not track
+    (the casts detach their input once, before the amax and the cast). Reduced row by row first: a row
     reduction walks the tensor the way the FP8 cast does, so the compiler can compute both in one
     read (delayed scaling)."""
-    t = t.detach().abs()
+    t = t.abs()  # of a detached tensor: the cast is no part of autograd's graph
     if t.dim() >= 2:
         t = t.amax(dim=-1)
     return t.amax().float()
@@ -81,10 +82,13 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     has no inf (and the one-pass CUDA cast, backends._fused_cast, writes the same bytes)."""
     limit = FP8_MAX[dtype]
     scaled = t.float() * scale
-    # `scaled - scaled` is NaN exactly where `scaled` is not finite. Not a NaN constant: the
-    # compiler's common-subexpression pass never merges nodes holding one (NaN != NaN), so two
-    # layers casting the same input (q, k and v) would each keep their own FP8 copy for backward
-    return torch.where(scaled.abs() < _INF, scaled.clamp(-limit, limit), scaled - scaled).to(dtype)
+    # `scaled - scaled` is +0 where `scaled` is finite and NaN where it is not, so subtracting it
+    # keeps a clamped finite value (the sign of a zero too) and turns inf into NaN: two ops, where
+    # a `where` on `isfinite` takes four (every op here is traced, lowered and scheduled for each
+    # cast of each layer: the time to the first step). Not a NaN constant either: the compiler's
+    # common-subexpression pass never merges nodes holding one (NaN != NaN), so two layers
+    # casting the same input (q, k and v) would each keep their own FP8 copy for backward
+    return (scaled.clamp(-limit, limit) - (scaled - scaled)).to(dtype)
 
 
 def record_amax(recorded: torch.Tensor, amax: torch.Tensor) -> None:

@@ -326,3 +326,18 @@ def test_a_layer_added_to_a_converted_model_is_updated_once_per_step():
         model(torch.randn(16, 64)).sum().backward()
         optimizer.step()
     assert model[0].fp8_step.tolist() == [2, 2, 2] and model[2].fp8_step.tolist() == [2, 2, 2]
+
+
+def test_compiled_norm_is_fused_into_the_fp8_cast():
+    """Issue 27's "norm + FP8 cast fused into the following projections", compiled: inductor
+    computes the RMSNorm in the kernels that take the amax and cast q/k/v's shared input to FP8,
+    so the forward allocates that input only in FP8, never in high precision. C++ kernels here;
+    tests/gpu/test_native_gpu.py checks the Triton ones."""
+    from tests._fusion import allocations, compiled_forward, kernel_sources
+    from tests._numerics import sqnr_db
+
+    code, out, expected = compiled_forward("cpu", tokens=512)
+    assert any("rsqrt" in source for source in kernel_sources(code).values())
+    dtypes = allocations(code, tokens=512)
+    assert "float8_e4m3fn" in dtypes and not {"bfloat16", "float32", "float16"} & set(dtypes), dtypes
+    assert sqnr_db(out, expected) >= 20

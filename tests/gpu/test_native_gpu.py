@@ -85,3 +85,17 @@ def test_the_autocast_wrapped_model_compiles_as_one_graph():
     reference = F.linear(F.gelu(F.linear(x.double(), model[0].weight.double(), model[0].bias.double())),
                          model[2].weight.double(), model[2].bias.double())
     assert sqnr_db(out, reference) >= 20
+
+
+def test_compiled_norm_is_fused_into_the_fp8_cast_on_gpu():
+    """Issue 27 item 2 on the GPU's Triton kernels: one kernel takes the RMSNorm's statistics and
+    the amax of its output, the cast recomputes the normalised value, and the forward allocates
+    q/k/v's shared input only in FP8. (The Llama's profile shows the same kernel,
+    `triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt`, docs/performance.md.)"""
+    from tests._fusion import allocations, compiled_forward, kernel_sources
+
+    code, out, expected = compiled_forward("cuda", tokens=4096)
+    assert any("rsqrt" in source and "max2" in source for source in kernel_sources(code).values())
+    dtypes = allocations(code, tokens=4096)
+    assert "float8_e4m3fn" in dtypes and not {"bfloat16", "float32", "float16"} & set(dtypes), dtypes
+    assert sqnr_db(out, expected) >= 20
