@@ -95,7 +95,22 @@ class FP8TrainerMixin(TrainerInternals):
     def fp8_before_training_wrap(self) -> None:
         """Before Trainer wraps the model for training: a model that `evaluate()` prepared for
         evaluation only (accelerate then marks it prepared, so `prepare` would skip its FP8
-        conversion) gets that evaluation-only preparation undone first."""
+        conversion) gets that evaluation-only preparation undone first.
+
+        One process that sees several GPUs is refused here. Trainer would wrap the model in
+        `nn.DataParallel` and, because the model is then wrapped, never hand it to the
+        Accelerator's `prepare`: no layer would be converted and the run would train in bf16
+        (every step's coverage at 0 FP8 GEMMs; found on two H200s)."""
+        gpus = getattr(self.args, "n_gpu", 1)
+        if gpus > 1:
+            raise ValueError(
+                f"{type(self).__name__}: this one process sees {gpus} GPUs (TrainingArguments.n_gpu), so "
+                "Trainer would train under nn.DataParallel, which never passes the model to the Accelerator: "
+                "it would not be converted and would train in bf16. Start one process per GPU "
+                f"(`accelerate launch --num_processes {gpus} train.py` or `torchrun --nproc_per_node {gpus} "
+                "train.py`: DistributedDataParallel, which FP8 supports), or make one GPU visible "
+                "(CUDA_VISIBLE_DEVICES=0)."
+            )
         _undo_evaluation_prepare(self.accelerator, self.model)
 
     # checkpoints -------------------------------------------------------------------------------

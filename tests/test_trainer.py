@@ -221,6 +221,20 @@ def test_fp16_and_a_wrong_recipe_type_are_refused(tmp_path):
         trainer.fp8_build_accelerator(mixed_precision="fp16")
 
 
+def test_one_process_on_several_gpus_is_refused_not_trained_in_bf16(tmp_path):
+    """One process seeing two GPUs: Trainer would wrap the model in nn.DataParallel and never pass
+    it to prepare(), so nothing would be converted (two H200s: 0 FP8 GEMMs in every step).
+    Refused before any step, with the launch command that fixes it. The GPU count is set on the
+    arguments, as TrainingArguments sets it from torch.cuda.device_count()."""
+    args = arguments(tmp_path)
+    args._n_gpu = 2
+    trainer = FP8Trainer(model=tiny_llama(), args=args, train_dataset=Counting(24),
+                         fp8_recipe=FP8RecipeKwargs(backend="native"))
+    with pytest.raises(ValueError, match=r"sees 2 GPUs .*nn.DataParallel.*--num_processes 2.*CUDA_VISIBLE_DEVICES=0"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not trainer.accelerator.fp8_reports
+
+
 @pytest.mark.slow
 def test_two_cpu_processes_under_accelerate_launch(tmp_path):
     """examples/trainer_fp8.py on 2 processes (DDP over gloo) with the shipped CPU config: both

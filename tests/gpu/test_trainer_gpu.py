@@ -26,6 +26,12 @@ def environment(tmp_path):
     return child_env(tmp_path)
 
 
+def one_gpu_environment(tmp_path):
+    """One GPU visible, for a single process: one that sees two is refused (FP8TrainerMixin:
+    Trainer would train under nn.DataParallel, which never converts the model)."""
+    return child_env(tmp_path, CUDA_VISIBLE_DEVICES="0")
+
+
 def check_against_bf16(result, backend):
     assert result["engine"] == backend and result["device"] == "cuda", result
     assert result["converted"] == 14 and result["skipped"] == ["lm_head"]
@@ -40,7 +46,8 @@ def check_against_bf16(result, backend):
 @pytest.mark.parametrize("backend", ENGINES)
 def test_fp8_trainer_one_gpu(tmp_path, backend):
     cmd = [sys.executable, str(EXAMPLE), "--device", "cuda", "--backend", backend, "--steps", "30", "--compare-bf16"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=one_gpu_environment(tmp_path), capture_output=True, text=True,
+                          timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     line = [entry for entry in proc.stdout.splitlines() if entry.startswith("result: ")][-1]
     check_against_bf16(json.loads(line[len("result: "):]), backend)
@@ -55,6 +62,7 @@ def test_resume_from_checkpoint_on_gpu(tmp_path, backend):
     def run(out, resume=None):
         fresh()  # two Trainers in one process
         args = arguments(out, use_cpu=False, max_steps=6, save_strategy="steps", save_steps=4)
+        args._n_gpu = 1  # one GPU on a machine with more (one process seeing several is refused)
         trainer = FP8Trainer(model=tiny_llama(seed=0 if resume is None else 7), args=args, train_dataset=Counting(12),
                              fp8_recipe=FP8RecipeKwargs(backend=backend, auto_filter=False))
         trainer.train(resume_from_checkpoint=resume)
