@@ -38,11 +38,11 @@ _INF = float("inf")
 
 
 def amax_of(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a float32 scalar (NaN if `t` holds a NaN), for a tensor autograd does not track
-    (the casts detach their input once, before the amax and the cast). Reduced row by row first: a row
-    reduction walks the tensor the way the FP8 cast does, so the compiler can compute both in one
-    read (delayed scaling)."""
-    t = t.abs()  # of a detached tensor: the cast is no part of autograd's graph
+    """max |t| as a float32 scalar (NaN if `t` holds a NaN). `t` comes detached: a cast detaches its
+    input once, before this and `quantize`, so that neither is part of autograd's graph. Reduced
+    row by row first: a row reduction walks the tensor the way the FP8 cast does, so the compiler
+    can compute both in one read (delayed scaling)."""
+    t = t.abs()
     if t.dim() >= 2:
         t = t.amax(dim=-1)
     return t.amax().float()
