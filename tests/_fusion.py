@@ -6,7 +6,7 @@ Compiled, fp8plug needs no fused module of its own for this: the native cast is 
 so inductor computes the norm's statistics and the amax of its output in one kernel, and the FP8
 cast of the projections' shared input recomputes the normalised value from the norm's input
 instead of reading it back: the normalised activation is never written in high precision. These
-helpers build that block, compile it, and list the buffers its forward allocates."""
+helpers build that block, compile it, and check that of the code inductor generated for it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fp8plug
+from tests._numerics import sqnr_db
 
 HIDDEN = 256
 # q, k and v widths differ from HIDDEN, so a (tokens, HIDDEN) buffer can only be the norm's output
@@ -76,3 +77,15 @@ def kernel_sources(code: str) -> dict:
     """name -> source of each kernel in the generated code (`name = async_compile.triton('name',
     '''source''', ...)`, or `.cpp_pybinding([...], '''source''')` on the CPU)."""
     return dict(re.findall(r"(\w+) = async_compile\.(?:triton|cpp_pybinding)\(.*?'''(.*?)'''", code, re.S))
+
+
+def check_norm_fused_into_the_cast(device: str, tokens: int, norm_kernel_has=("rsqrt",)) -> None:
+    """Compile the block on `device` and check: some kernel computes the norm (its source holds
+    every string of `norm_kernel_has`), the forward allocates q/k/v's (tokens, HIDDEN) input in FP8
+    and never in a high-precision dtype, and the output is within 20 dB of the bf16 model's."""
+    code, out, expected = compiled_forward(device, tokens=tokens)
+    sources = kernel_sources(code)
+    assert any(all(mark in source for mark in norm_kernel_has) for source in sources.values()), list(sources)
+    dtypes = allocations(code, tokens=tokens)
+    assert "float8_e4m3fn" in dtypes and not {"bfloat16", "float32", "float16"} & set(dtypes), dtypes
+    assert sqnr_db(out, expected) >= 20

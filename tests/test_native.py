@@ -333,11 +333,6 @@ def test_compiled_norm_is_fused_into_the_fp8_cast():
     computes the RMSNorm in the kernels that take the amax and cast q/k/v's shared input to FP8,
     so the forward allocates that input only in FP8, never in high precision. C++ kernels here;
     tests/gpu/test_native_gpu.py checks the Triton ones."""
-    from tests._fusion import allocations, compiled_forward, kernel_sources
-    from tests._numerics import sqnr_db
+    from tests._fusion import check_norm_fused_into_the_cast
 
-    code, out, expected = compiled_forward("cpu", tokens=512)
-    assert any("rsqrt" in source for source in kernel_sources(code).values())
-    dtypes = allocations(code, tokens=512)
-    assert "float8_e4m3fn" in dtypes and not {"bfloat16", "float32", "float16"} & set(dtypes), dtypes
-    assert sqnr_db(out, expected) >= 20
+    check_norm_fused_into_the_cast("cpu", tokens=512)
