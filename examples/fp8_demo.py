@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     bf16_final, fp8_final = tail_mean(bf16_losses), tail_mean(fp8_losses)
     gap = abs(fp8_final - bf16_final) / bf16_final
     print(f"engine: {selection.name} ({selection.backend.title}) on {selection.device.describe()}")
-    print(f"converted {len(report.converted)} Linear layers to FP8, skipped {len(report.skipped)}: "
+    print(f"converted {len(report.fp8_linears)} Linear layers to FP8, skipped {len(report.skipped)}: "
           + ", ".join(f"{k} ({v})" for k, v in report.skipped.items()))
     print(f"steps: {args.steps}; loss at step 1: {bf16_losses[0]:.4f} (bf16) {fp8_losses[0]:.4f} (fp8)")
     print(f"final loss (mean of last 10 steps): fp8 {fp8_final:.4f} | bf16 {bf16_final:.4f} | "

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
             args.save_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
         accelerator.print(f"saved to {args.save_dir}")
 
-    result = {"engine": accelerator.fp8_engine.name, "converted": len(report.converted),
+    result = {"engine": accelerator.fp8_engine.name, "converted": len(report.fp8_linears),
               "skipped": sorted(report.skipped), "first_loss": losses[0], "last_loss": losses[-1],
               "device": accelerator.device.type, "generated": generated[0, 7:].tolist()}
     accelerator.print("result: " + json.dumps(result))

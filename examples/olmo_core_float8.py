@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             precompute_float8_dynamic_scale_for_fsdp(model)
         losses.append(loss.item())
     print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f} after {args.steps} steps")
-    print("result: " + json.dumps({"recipe": args.recipe, "converted": len(report.converted),
+    print("result: " + json.dumps({"recipe": args.recipe, "converted": len(report.fp8_linears),
                                    "skipped": sorted(report.skipped), "first_loss": losses[0],
                                    "last_loss": losses[-1], "device": device.type}))
     return 0

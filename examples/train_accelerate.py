@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         deepspeed.deepspeed_config.update(train_micro_batch_size_per_gpu=args.batch,
                                           train_batch_size=args.batch * accelerator.num_processes * args.grad_accum)
     model, optimizer = accelerator.prepare(model, optimizer)
-    info["converted"] = sum(len(r.converted) for r in accelerator.fp8_reports)
+    info["converted"] = sum(len(r.fp8_linears) for r in accelerator.fp8_reports)
     info["initial_weights"] = weights_digest(accelerator.get_state_dict(model))
 
     world, rank = accelerator.num_processes, accelerator.process_index

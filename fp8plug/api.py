@@ -27,8 +27,9 @@ def convert_model(
     backend: Optional[str] = None,
     compiled: Optional[bool] = None,
 ) -> Optional[ConversionReport]:
-    """Convert `model`'s Linear (and, for TransformerEngine, LayerNorm/RMSNorm) layers to FP8
-    modules in place, or back to torch modules with `to_transformer_engine=False`.
+    """Convert `model`'s Linear layers to FP8 modules in place (and norms: TransformerEngine's
+    LayerNorm/RMSNorm, the native engine's fused Llama-style RMSNorms), or back to torch modules
+    with `to_transformer_engine=False`.
 
     Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
     automatically (fp8plug.backends.select_backend): on an FP8 GPU by measured speed, in the mode
@@ -38,7 +39,7 @@ def convert_model(
     asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
     Returns the ConversionReport of what was converted and why anything was skipped (None when
     converting back). `_convert_ln` (default: convert norms where the engine can) given as True
-    warns where the engine chosen left the norms alone: only TransformerEngine converts them.
+    warns where the engine chosen left every norm alone.
     """
     if not to_transformer_engine:
         unconvert_model(model)
@@ -59,8 +60,9 @@ def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Engine)
     converted_others = set(report.converted) - set(report.linears)
     if norms and not converted_others:
         logger.warning(
-            "convert_model(_convert_ln=True): the %s engine converts Linear layers only, so %d norm layer(s) stay "
-            "torch's (%s); only TransformerEngine converts norms: pass backend='te' where it runs (`fp8plug env`).",
+            "convert_model(_convert_ln=True): the %s engine converted none of this model's norms, so %d norm layer(s) "
+            "stay torch's (%s); TransformerEngine converts nn.LayerNorm and nn.RMSNorm (the native engine only "
+            "transformers' Llama-style RMSNorms): pass backend='te' where it runs (`fp8plug env`).",
             engine.name, len(norms), ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else ""))
 
 

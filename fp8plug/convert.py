@@ -217,12 +217,15 @@ def plan_conversion(
     is_converted: Callable[[nn.Module], bool],
     modules_to_ignore: Optional[Sequence[str]] = None,
     module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+    unfiltered: Tuple[type, ...] = (),
 ) -> Tuple[List[Tuple[str, nn.Module]], ConversionReport]:
     """Decide, module by module, what to convert.
 
     `eligible` maps an exact module type to a check that returns why a module of that type cannot
-    be converted (None if it can). Returns the (fqn, module) pairs to convert and a report holding
-    them and every skipped candidate with its reason.
+    be converted (None if it can). `unfiltered`: eligible types module_filter_fn is not asked
+    about, since converting them decides no precision (the native engine's fused norms); they
+    still honour modules_to_ignore. Returns the (fqn, module) pairs to convert and a report
+    holding them and every skipped candidate with its reason.
     """
     check_convertible(model)
     ignore = set(modules_to_ignore or ())
@@ -277,7 +280,7 @@ def plan_conversion(
         if problem:
             report.skip(fqn, problem, NOT_ELIGIBLE, problem.split(" (")[0])
             continue
-        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+        if module_filter_fn is not None and not isinstance(module, unfiltered) and not module_filter_fn(module, fqn):
             # a filter may word its reason, its kind and a short note itself (roofline.SpeedFilter)
             reason = getattr(module_filter_fn, "skip_reason", None)
             kind = getattr(module_filter_fn, "skip_kind", None)

@@ -45,6 +45,13 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Tensor, inv_s
     return _emulated_scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, bias)
 
 
+def writable_dtype(wanted: torch.dtype, fallback: torch.dtype) -> torch.dtype:
+    """`wanted` where an FP8 GEMM can write it (a float32, bfloat16 or float16 result), else
+    `fallback`: a GEMM that writes its result in the dtype it is wanted in saves the copy kernel
+    after it, which reads and writes the whole result once more."""
+    return wanted if wanted in (torch.float32, torch.bfloat16, torch.float16) else fallback
+
+
 @torch.library.custom_op("fp8plug::emulated_scaled_mm", mutates_args=())
 def _emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Tensor, inv_scale_b: torch.Tensor,
                         out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:

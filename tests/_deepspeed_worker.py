@@ -261,7 +261,7 @@ def one_run(args, stage, run, seed, shared_dir, zero_init=False):
     }
     if fp8:
         coverage, entries = accelerator.fp8_coverage(), fp8_entries(accelerator)
-        result.update(engine=accelerator.fp8_engine.name, converted=len(accelerator.fp8_reports[0].converted),
+        result.update(engine=accelerator.fp8_engine.name, converted=len(accelerator.fp8_reports[0].fp8_linears),
                       fp8_gemms=coverage["fp8_gemms"], fp8_state=fp8_state_digest(entries),
                       scale_updates=scale_updates(entries), scales=scale_ranges(entries))
     del model, optimizer, scheduler

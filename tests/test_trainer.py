@@ -134,7 +134,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, backend, caplog):
         if drop_fp8_state:
             os.remove(os.path.join(resume, FP8_STATE_NAME))
         trainer.train(resume_from_checkpoint=resume)
-        assert len(trainer.accelerator.fp8_reports[0].converted) == 15
+        assert len(trainer.accelerator.fp8_reports[0].fp8_linears) == 15
         return losses(trainer, after_step=4), {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     full_losses, full_weights = run(tmp_path / "full")
@@ -169,7 +169,7 @@ def test_evaluate_before_train_still_trains_in_fp8(tmp_path):
                          eval_dataset=Counting(4, seed=1), fp8_recipe=FP8RecipeKwargs(backend="native"))
     trainer.evaluate()  # Trainer prepares the model for evaluation only, before any conversion
     trainer.train()
-    assert trainer.accelerator.fp8_reports and len(trainer.accelerator.fp8_reports[0].converted) == 15
+    assert trainer.accelerator.fp8_reports and len(trainer.accelerator.fp8_reports[0].fp8_linears) == 15
     assert bool(trainer.model.model.layers[0].mlp.up_proj.fp8_step.max() > 0)
 
 

@@ -22,7 +22,7 @@ which give the same bytes.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -82,17 +82,19 @@ def cast_transpose(t: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Te
 _NEVER_SCALED = {}
 
 
-def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype,
+                           amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
     """cast_transpose for dynamic scaling: the scale is scaling.scale_from_amax of t's own amax
     (no margin, as the torch path's dynamic cast). Two passes over t (the amax, then the cast of
-    both layouts) in three launches, where torch ops take one launch an op. The amax returned is
-    the amax pass's (inf where t holds a NaN): a dynamic slot keeps no history, so the cast's
-    per-tile maxima are not reduced again."""
+    both layouts) in three launches, where torch ops take one launch an op; one pass where the
+    kernel that made t found its amax already (`amax`, a float32 scalar, inf where t holds a NaN:
+    backends._fused_norm). The amax returned is that amax: a dynamic slot keeps no history, so
+    the cast's per-tile maxima are not reduced again."""
     flags = _NEVER_SCALED.get(t.device)
     if flags is None:
         flags = _NEVER_SCALED[t.device] = (torch.ones(1, device=t.device),
                                            torch.zeros(1, dtype=torch.bool, device=t.device))
-    return torch.ops.fp8plug.cast_transpose(t.contiguous(), flags[0], flags[1], dtype, 0, True)
+    return torch.ops.fp8plug.cast_transpose(t.contiguous(), flags[0], flags[1], dtype, 0, True, amax)
 
 
 def _can_build() -> bool:
@@ -111,7 +113,8 @@ def _build():
     Four launches a cast, whatever the slot's state: zeroing the first-step amax, the amax pass
     (which returns at once once the slot is scaled), the cast, which works out the scale and its
     inverse itself, and the reduction of its per-tile amaxes (not for a dynamic cast, whose amax
-    the amax pass found). Working the scale out with torch ops took about ten
+    the amax pass found), and one launch for a dynamic cast whose amax is known already. Working
+    the scale out with torch ops took about ten
     more tiny launches a cast, each a gap in the GPU's queue."""
     import triton
     import triton.language as tl
@@ -171,12 +174,16 @@ def _build():
 
     @triton_op("fp8plug::cast_transpose", mutates_args={})
     def op(x: torch.Tensor, prev_scale: torch.Tensor, use_prev: torch.Tensor, dtype: torch.dtype,
-           margin: int, dynamic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           margin: int, dynamic: bool, known_amax: Optional[torch.Tensor] = None,
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = x.shape
-        first_amax = torch.zeros((), device=x.device, dtype=torch.float32)
-        programs = max(1, min(triton.cdiv(x.numel(), _AMAX_BLOCK), _AMAX_PROGRAMS))
-        wrap_triton(amax_unless_scaled)[(programs,)](x, x.numel(), use_prev, first_amax, BLOCK=_AMAX_BLOCK,
-                                                    num_warps=8)
+        if known_amax is not None:  # found by the kernel that made x: no amax pass
+            first_amax = known_amax.reshape(()).float()
+        else:
+            first_amax = torch.zeros((), device=x.device, dtype=torch.float32)
+            programs = max(1, min(triton.cdiv(x.numel(), _AMAX_BLOCK), _AMAX_PROGRAMS))
+            wrap_triton(amax_unless_scaled)[(programs,)](x, x.numel(), use_prev, first_amax, BLOCK=_AMAX_BLOCK,
+                                                        num_warps=8)
         scale = torch.empty((), device=x.device, dtype=torch.float32)
         inv = torch.empty((), device=x.device, dtype=torch.float32)
         y = torch.empty((m, n), device=x.device, dtype=dtype)
@@ -188,7 +195,9 @@ def _build():
         wrap_triton(cast_both_layouts)[grid](x, prev_scale, use_prev, first_amax, scale, inv, y, yt, tiles, m, n,
                                              FP8_LIMIT=FP8_MAX[dtype], INV_MARGIN=2.0**-margin, MAX_SCALE=SCALE_MAX,
                                              BM=bm, BN=bn, TRANSPOSE_IN_REGISTERS=in_registers, num_warps=warps)
-        # dynamic: the amax pass's result is t's amax (never NaN: inf instead); no reduction launch
-        return y, yt, scale, first_amax if dynamic else tiles.amax(), inv
+        # dynamic: the amax pass's result is t's amax (never NaN: inf instead); no reduction launch.
+        # A given amax is copied: a custom op's output may not be one of its inputs.
+        amax = tiles.amax() if not dynamic else first_amax if known_amax is None else first_amax.clone()
+        return y, yt, scale, amax, inv
 
     return op

@@ -1,5 +1,10 @@
 """The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
 
+Eagerly on CUDA it also takes over transformers' Llama-style RMSNorms, running each as one
+Triton kernel a direction that hands its output's amax to the cast that follows
+(backends._fused_norm), and casts an input several layers read (q/k/v, gate/up) once for all of
+them (backends._shared_input): what the compiler does by itself under torch.compile.
+
 Per-tensor scaling, dynamic (scale from the tensor's own amax) or delayed with TransformerEngine's
 DelayedScaling semantics (fp8plug.scaling): an amax history per tensor (input, weight,
 grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
@@ -24,7 +29,7 @@ from ..convert import (
     ALIGNMENT, ConversionReport, ignore_in_ddp, linear_alignment_problem, plain_linear, plan_conversion, replace_module,
     swap_modules,
 )
-from ..fp8_gemm import scaled_mm
+from ..fp8_gemm import scaled_mm, writable_dtype
 from ..plans import DelayedScalingPlan, Settings
 from ..recipe import DEFAULTS
 from ..scaling import (
@@ -40,6 +45,8 @@ from ..scaling import (
     scale_from_amax,
 )
 from . import _fused_cast as fused_cast
+from . import _fused_norm as fused_norm
+from . import _shared_input as shared_input
 from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
 from .base import Engine, Probe, Speed
 from .padding import pad_tokens, token_count
@@ -109,6 +116,8 @@ class _FP8Linear(torch.autograd.Function):
         config: GemmConfig = ctx.config
         out_dtype, override = config.out_dtype, config.override
         x_t, w_t, x_inv, w_inv, grad_scale, *high = ctx.saved_tensors
+        if not torch.compiler.is_compiling():
+            shared_input.forget()  # forward's kept input cast: backward never reads its row-major copy
         # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
         # the current amax's
         delayed = config.grad_mode == "delayed"
@@ -123,20 +132,22 @@ class _FP8Linear(torch.autograd.Function):
         elif override[1]:
             grad_x = grad_out.to(out_dtype) @ high[1].to(out_dtype)
         else:
-            grad_x = _scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, out_dtype, False)
+            # eagerly in the input's own dtype (an fp32 residual stream under autocast), saving a copy
+            # kernel; compiled, the compiler folds that conversion into the kernel reading the gradient
+            dgrad_dtype = out_dtype if torch.compiler.is_compiling() else writable_dtype(x_dtype, out_dtype)
+            grad_x = _scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, dgrad_dtype, False)
         if not ctx.needs_input_grad[1]:
             grad_w = None
         elif override[2]:
             grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
         else:  # written in the weight's own dtype (fp32 master weights): no extra cast pass over it
-            wgrad_dtype = w_dtype if w_dtype in (torch.float32, torch.bfloat16, torch.float16) else out_dtype
-            grad_w = _scaled_mm(g_t, x_t.t(), g_inv, x_inv, wgrad_dtype, False)
+            grad_w = _scaled_mm(g_t, x_t.t(), g_inv, x_inv, writable_dtype(w_dtype, out_dtype), False)
         grad_x = None if grad_x is None else grad_x.to(x_dtype)
         grad_w = None if grad_w is None else grad_w.to(w_dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 
-def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
+def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True, source=None):
     """(t in FP8, its transpose in FP8 and contiguous (None unless `transposed`), the inverse of
     the scale used (the factor back to real values, as the GEMM takes it), max |t|).
 
@@ -144,25 +155,37 @@ def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True):
     `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A CUDA
     tensor in eager execution is cast by backends._fused_cast (one pass for a delayed slot, two
     for a dynamic one, in four or three launches); everything else with torch ops, which
-    torch.compile fuses with the ops around them."""
+    torch.compile fuses with the ops around them. `source`: the layer input t was reshaped
+    from; eagerly, a dynamic cast of an input other layers read too is made once for all of them
+    (backends._shared_input)."""
+    shared = source is not None and not delayed and not torch.compiler.is_compiling()
+    known_amax = None
+    if shared:
+        kept = shared_input.cast_of(source, dtype, transposed)
+        if kept is not None:
+            return kept
+        known_amax = shared_input.amax_of(source)
     t = t.detach()
     if fused_cast.usable(t):
         if delayed:
             t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
         else:
-            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose_dynamic(t, dtype)
-        # the kernel writes both layouts; one nobody needs is not kept (it would be saved for backward)
-        return t_fp8, t_t if transposed else None, inv, amax
-    amax = amax_of(t)
-    if delayed:
-        scale = delayed_scale(prev_scale, use_prev, amax, FP8_MAX[dtype], margin)
+            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose_dynamic(t, dtype, known_amax)
     else:
-        scale = scale_from_amax(amax, FP8_MAX[dtype])
-    t_fp8 = quantize(t, scale, dtype)
-    # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
-    # contiguous. Transposing right after the cast lets the compiler write both layouts from one
-    # read of the high-precision tensor.
-    return t_fp8, t_fp8.t().contiguous() if transposed else None, scale.reciprocal(), amax
+        amax = amax_of(t) if known_amax is None else known_amax
+        if delayed:
+            scale = delayed_scale(prev_scale, use_prev, amax, FP8_MAX[dtype], margin)
+        else:
+            scale = scale_from_amax(amax, FP8_MAX[dtype])
+        t_fp8 = quantize(t, scale, dtype)
+        # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
+        # contiguous. Transposing right after the cast lets the compiler write both layouts from one
+        # read of the high-precision tensor.
+        t_t, inv = t_fp8.t().contiguous() if transposed else None, scale.reciprocal()
+    if shared:  # both layouts, for whichever reader needs the transposed one
+        shared_input.remember_cast(source, dtype, (t_fp8, t_t, inv, amax))
+    # the kernel writes both layouts; one nobody needs is not kept (it would be saved for backward)
+    return t_fp8, t_t if transposed else None, inv, amax
 
 
 class NativeFP8Linear(nn.Linear):
@@ -289,7 +312,7 @@ class NativeFP8Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         # the input's transposed copy feeds only the weight gradient: none for a frozen weight
         wgrad = self.weight.requires_grad and torch.is_grad_enabled()
-        *x_cast, x_amax = self._cast_operand(INPUT, x2, transposed=wgrad)
+        *x_cast, x_amax = self._cast_operand(INPUT, x2, transposed=wgrad, source=x)
         *w_cast, w_amax = self._cast_operand(WEIGHT, self.weight)
         grad_record = None
         if self.delayed and self.training:  # only delayed tensors keep a history
@@ -313,13 +336,13 @@ class NativeFP8Linear(nn.Linear):
             out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _cast_operand(self, slot: int, t: torch.Tensor, transposed: bool = True):
+    def _cast_operand(self, slot: int, t: torch.Tensor, transposed: bool = True, source=None):
         """(FP8, transposed FP8 or None, scale, amax) of forward operand `slot` (INPUT or WEIGHT):
         scaled by its own amax (dynamic, or delayed before the slot's first update), else by the
-        scale set at the end of the last step."""
+        scale set at the end of the last step. `source`: as _cast's."""
         delayed = self.delayed_slots[slot]
         return _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot], self.fp8_step[slot] > 0 if delayed else None,
-                     self.margin, transposed)
+                     self.margin, transposed, source)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
@@ -377,11 +400,12 @@ class NativeEngine(Engine):
     honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
     honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
-    # compiled, dynamic ties delayed (1.316x against 1.310x) and reaches its first step sooner;
-    # eager (session 10, H100), dynamic through the Triton cast 77.0k tok/s against bf16
-    # compiled's 75.9k in one call (TE 78.8k); delayed was slower (its per-step bookkeeping
-    # leaves the GPU idle 8 ms a step)
-    measured = {"compiled": Speed(1.31, "dynamic"), "eager": Speed(1.015, "dynamic")}
+    # The Hugging Face Llama of benchmarks/hf_llama.py on an H100, against bf16 compiled: compiled
+    # 1.45x (session 12), dynamic tying delayed and reaching its first step sooner; eager 1.22x
+    # (session 14: 1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x in that call),
+    # dynamic, whose casts of a shared input are made once and take the fused norms' amax, which
+    # delayed scaling's per-layer scales cannot
+    measured = {"compiled": Speed(1.45, "dynamic"), "eager": Speed(1.22, "dynamic")}
 
     def probe(self) -> Probe:
         if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
@@ -403,18 +427,31 @@ class NativeEngine(Engine):
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
 
     def convert(self, model: nn.Module, plan) -> ConversionReport:
-        plan = self.plan_of(plan)
-        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn)
+        return self.convert_layers(model, plan)
 
-    def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn) -> ConversionReport:
-        targets, report = plan_conversion(
-            model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            modules_to_ignore, module_filter_fn,
-        )
-        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options), report)
+    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
+        kernels hand their output's amax to the cast of the layers reading it
+        (backends._fused_norm)."""
+        plan = self.plan_of(plan)
+        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn, linear, norm)
+
+    def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn, linear: bool = True,
+                 norm: bool = True) -> ConversionReport:
+        norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()
+        eligible = dict.fromkeys(norms, fused_norm.norm_problem)
+        if linear:
+            eligible[nn.Linear] = linear_alignment_problem
+        if not eligible:
+            return ConversionReport(self.name)
+        targets, report = plan_conversion(model, self.name, eligible, self.is_converted, modules_to_ignore,
+                                          module_filter_fn, unfiltered=norms)
+        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options)
+                              if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
-        ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted for name in STATE_BUFFERS])
+        linears = set(report.linears)
+        ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
         track_for_sync(model, self)
         return report
 
@@ -422,10 +459,12 @@ class NativeEngine(Engine):
         for fqn, module in list(model.named_modules()):
             if isinstance(module, NativeFP8Linear):
                 replace_module(model, fqn, plain_linear(module, module.weight, module.bias))
+            elif isinstance(module, fused_norm.FusedRMSNorm):
+                replace_module(model, fqn, module.unfused())
         return model
 
     def is_converted(self, module: nn.Module) -> bool:
-        return isinstance(module, NativeFP8Linear)
+        return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm))
 
     def autocast(self, plan=None, enabled: bool = True):
         return fp8_region(enabled)

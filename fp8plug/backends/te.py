@@ -144,7 +144,8 @@ class TEEngine(Engine):
         "nvfp4": frozenset(),  # E2M1 values with E4M3 block scales, whatever the format
     }
     plan_class = TEPlan
-    measured = {"compiled": Speed(1.17), "eager": Speed(1.04)}
+    # against bf16 compiled on the benchmark Llama, H100: eager 1.07x (session 14: 1.27x bf16 eager)
+    measured = {"compiled": Speed(1.17), "eager": Speed(1.07)}
 
     def __init__(self):
         self._recipes: Dict[Any, Any] = {}
