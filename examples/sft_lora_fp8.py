@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     model = trainer.model
     # converted layers with a frozen weight matrix (the norms the native engine takes over have vectors)
     frozen = sorted(n for n, m in model.named_modules()
-                    if engine.is_converted(m) and m.weight.dim() == 2 and not m.weight.requires_grad)
+                    if engine.is_converted(m) and len(m.weight.shape) == 2 and not m.weight.requires_grad)
     trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     print(f"engine: {engine.name}; {len(frozen)} frozen base layers in FP8, {len(trained)} LoRA tensors trained")
     print(f"loss: first {losses[0]:.4f}, last 5 steps {tail(losses):.4f}")

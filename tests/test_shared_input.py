@@ -153,3 +153,12 @@ def test_norms_with_other_arithmetic_are_not_taken(name):
     model = nn.Sequential(nn.Linear(64, 64), norm)
     convert(model)
     assert model[1] is norm
+
+
+def test_giving_a_norm_back_keeps_its_other_attributes():
+    model = tiny_llama()
+    norm = model.model.norm
+    norm.hidden_size = 64  # an attribute its forward never reads
+    convert(model)
+    fp8plug.convert_model(model, to_transformer_engine=False)
+    assert model.model.norm.hidden_size == 64 and model.model.norm.weight is norm.weight

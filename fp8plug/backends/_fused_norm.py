@@ -12,7 +12,7 @@ output once); one kernel computes backward's input gradient and the weight's par
 The arithmetic is the module's own, step by step: float32 math, the normalised value rounded to
 the input's dtype, then times the weight in the promoted dtype; backward rounds the gradient
 where autograd would. Sums are reduced in another order than torch's, so results agree to
-float32 rounding, not bit for bit (tests/gpu/test_native_gpu.py holds them together).
+float32 rounding, not bit for bit (tests/gpu/test_fused_norm_gpu.py holds them together).
 
 Which modules: any transformers RMSNorm whose forward is LlamaRMSNorm's own, line for line
 (Llama, Mistral, Qwen2/3, Granite, DeepSeek-V3 and over a hundred more share it), with no
@@ -95,6 +95,9 @@ class FusedRMSNorm(nn.Module):
         self.weight = original.weight
         self.variance_epsilon = float(original.variance_epsilon)
         self.original_class = type(original)
+        # its other plain attributes (a config's hidden size, transformers' init flags), for unfused()
+        self.original_attributes = {k: v for k, v in vars(original).items()
+                                    if not k.startswith("_") and k not in ("training", "variance_epsilon")}
         self.train(original.training)
         load()
 
@@ -109,6 +112,7 @@ class FusedRMSNorm(nn.Module):
         """The original module class again, holding this weight."""
         plain = self.original_class.__new__(self.original_class)
         nn.Module.__init__(plain)
+        vars(plain).update(self.original_attributes)
         plain.weight = self.weight
         plain.variance_epsilon = self.variance_epsilon
         plain.train(self.training)
@@ -136,6 +140,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused norm runs on `x`: CUDA, the kernels built, no torch.compile tracing, float
     dtypes, and a normalised width that matches the weight and fits one program."""
     return (not torch.compiler.is_compiling() and bool(_KERNELS) and x.is_cuda and x.dim() >= 1
+            and weight.device == x.device and weight.is_contiguous()
             and x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES
             and x.shape[-1] == weight.numel() <= MAX_WIDTH and x.numel() > 0)
 
@@ -169,9 +174,10 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty((rows, width), device=x.device, dtype=out_dtype)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         amax = torch.zeros((), device=x.device, dtype=torch.float32)
-        block = triton_block(width)
-        forward_kernel[(_programs(rows, x.device),)](x2, weight, y, rstd, amax, rows, width, eps, BLOCK=block,
-                                                     num_warps=_warps(block))
+        block = _block(width)
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            forward_kernel[(_programs(rows, x.device),)](x2, weight, y, rstd, amax, rows, width, eps, BLOCK=block,
+                                                         num_warps=_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         ctx.mark_non_differentiable(amax)
@@ -187,18 +193,21 @@ class _RMSNorm(torch.autograd.Function):
         want_dw = ctx.needs_input_grad[1]
         programs = _programs(rows, x2.device)
         partial = torch.empty((programs if want_dw else 1, width), device=x2.device, dtype=torch.float32)
-        block = triton_block(width)
-        backward_kernel[(programs,)](x2, weight, rstd, grad_y, grad_x, partial, rows, width, BLOCK=block,
-                                     WEIGHT_GRAD=want_dw, num_warps=_warps(block))
+        block = _block(width)
+        with torch.cuda.device(x2.device):
+            backward_kernel[(programs,)](x2, weight, rstd, grad_y, grad_x, partial, rows, width, BLOCK=block,
+                                         WEIGHT_GRAD=want_dw, num_warps=_warps(block))
         grad_w = partial.sum(0).to(weight.dtype) if want_dw else None
         return grad_x.view(ctx.x_shape), grad_w, None
 
 
-def triton_block(width: int) -> int:
+def _block(width: int) -> int:
+    """The power of two (at least 16) one program's row of registers spans."""
     return 1 << max(4, (width - 1).bit_length())
 
 
 def _warps(block: int) -> int:
+    """Warps a program runs: more for wider rows, so no thread holds more than 64 values of one."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
