@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fp8plug
+from fp8plug.backends import _native_cast as native_cast
 from fp8plug.backends import native
 from fp8plug.backends._fused_norm import FusedRMSNorm
 from tests._hf import tiny_llama
@@ -30,13 +31,13 @@ def run(layers, x, shared=True):
 
 def counting_casts(monkeypatch):
     calls = []
-    real = native.quantize
+    real = native_cast.quantize
 
     def counted(t, scale, dtype):
         calls.append(tuple(t.shape))
         return real(t, scale, dtype)
 
-    monkeypatch.setattr(native, "quantize", counted)
+    monkeypatch.setattr(native_cast, "quantize", counted)
     return calls
 
 
@@ -162,3 +163,12 @@ def test_giving_a_norm_back_keeps_its_other_attributes():
     convert(model)
     fp8plug.convert_model(model, to_transformer_engine=False)
     assert model.model.norm.hidden_size == 64 and model.model.norm.weight is norm.weight
+
+
+def test_convert_model_without_norms_leaves_them_and_without_linears_fuses_only_them():
+    model = tiny_llama()
+    fp8plug.convert_model(model, _convert_ln=False, backend="native")
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+    model = tiny_llama()
+    fp8plug.convert_model(model, _convert_linear=False, backend="native")
+    assert isinstance(model.model.norm, FusedRMSNorm) and not isinstance(model.lm_head, native.NativeFP8Linear)

@@ -38,15 +38,12 @@ from ..scaling import (
     FP8_MAX,
     NOT_RECORDED,
     DelayedSettings,
-    amax_of,
-    delayed_scale,
-    quantize,
     record_amax,
-    scale_from_amax,
 )
 from . import _fused_cast as fused_cast
 from . import _fused_norm as fused_norm
 from . import _shared_input as shared_input
+from ._native_cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
 from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
 from .base import Engine, Probe, Speed
 from .padding import pad_tokens, token_count
@@ -145,47 +142,6 @@ class _FP8Linear(torch.autograd.Function):
         grad_x = None if grad_x is None else grad_x.to(x_dtype)
         grad_w = None if grad_w is None else grad_w.to(w_dtype)
         return grad_x, grad_w, None, None, None, None, None
-
-
-def _cast(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True, source=None):
-    """(t in FP8, its transpose in FP8 and contiguous (None unless `transposed`), the inverse of
-    the scale used (the factor back to real values, as the GEMM takes it), max |t|).
-
-    Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
-    `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A CUDA
-    tensor in eager execution is cast by backends._fused_cast (one pass for a delayed slot, two
-    for a dynamic one, in four or three launches); everything else with torch ops, which
-    torch.compile fuses with the ops around them. `source`: the layer input t was reshaped
-    from; eagerly, a dynamic cast of an input other layers read too is made once for all of them
-    (backends._shared_input)."""
-    shared = source is not None and not delayed and not torch.compiler.is_compiling()
-    known_amax = None
-    if shared:
-        kept = shared_input.cast_of(source, dtype, transposed)
-        if kept is not None:
-            return kept
-        known_amax = shared_input.amax_of(source)
-    t = t.detach()
-    if fused_cast.usable(t):
-        if delayed:
-            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose(t, prev_scale, use_prev, dtype, margin)
-        else:
-            t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose_dynamic(t, dtype, known_amax)
-    else:
-        amax = amax_of(t) if known_amax is None else known_amax
-        if delayed:
-            scale = delayed_scale(prev_scale, use_prev, amax, FP8_MAX[dtype], margin)
-        else:
-            scale = scale_from_amax(amax, FP8_MAX[dtype])
-        t_fp8 = quantize(t, scale, dtype)
-        # Backward needs both operands with the token dimension (wgrad) or out_features (dgrad)
-        # contiguous. Transposing right after the cast lets the compiler write both layouts from one
-        # read of the high-precision tensor.
-        t_t, inv = t_fp8.t().contiguous() if transposed else None, scale.reciprocal()
-    if shared:  # both layouts, for whichever reader needs the transposed one
-        shared_input.remember_cast(source, dtype, (t_fp8, t_t, inv, amax))
-    # the kernel writes both layouts; one nobody needs is not kept (it would be saved for backward)
-    return t_fp8, t_t if transposed else None, inv, amax
 
 
 class NativeFP8Linear(nn.Linear):
@@ -427,12 +383,15 @@ class NativeEngine(Engine):
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
 
     def convert(self, model: nn.Module, plan) -> ConversionReport:
-        return self.convert_layers(model, plan)
+        """Linear layers and transformers' Llama-style RMSNorms, whose fused kernels hand their
+        output's amax to the cast of the layers reading it (backends._fused_norm)."""
+        plan = self.plan_of(plan)
+        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn)
 
     def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
-        kernels hand their output's amax to the cast of the layers reading it
-        (backends._fused_norm)."""
+        """`convert`, limited to Linear layers (`linear`) and the norms (`norm`)."""
+        if linear and norm:
+            return self.convert(model, plan)
         plan = self.plan_of(plan)
         return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn, linear, norm)
 
