@@ -33,7 +33,7 @@ def cast_operand(t, dtype, delayed, prev_scale, use_prev, margin, transposed=Tru
         kept = shared_input.cast_of(source, dtype, transposed)
         if kept is not None:
             return kept
-        known_amax = shared_input.amax_of(source)
+        known_amax = shared_input.known_amax(source)
     t = t.detach()
     if fused_cast.usable(t):
         if delayed:

@@ -68,7 +68,7 @@ def cast_of(t: torch.Tensor, dtype: torch.dtype, transposed: bool) -> Optional[T
     return t_fp8, t_t if transposed else None, inv, amax
 
 
-def amax_of(t: torch.Tensor) -> Optional[torch.Tensor]:
+def known_amax(t: torch.Tensor) -> Optional[torch.Tensor]:
     """max |t|, if the kernel that wrote `t` left it here."""
     kept = _kept_for(t)
     return None if kept is None else kept.amax

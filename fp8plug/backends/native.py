@@ -385,26 +385,25 @@ class NativeEngine(Engine):
     def convert(self, model: nn.Module, plan) -> ConversionReport:
         """Linear layers and transformers' Llama-style RMSNorms, whose fused kernels hand their
         output's amax to the cast of the layers reading it (backends._fused_norm)."""
-        plan = self.plan_of(plan)
-        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn)
+        return self._convert(model, plan)
 
     def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
         """`convert`, limited to Linear layers (`linear`) and the norms (`norm`)."""
         if linear and norm:
             return self.convert(model, plan)
-        plan = self.plan_of(plan)
-        return self._convert(model, plan.layer_options(), plan.modules_to_ignore, plan.module_filter_fn, linear, norm)
+        return self._convert(model, plan, linear, norm)
 
-    def _convert(self, model: nn.Module, options: dict, modules_to_ignore, module_filter_fn, linear: bool = True,
-                 norm: bool = True) -> ConversionReport:
+    def _convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        plan = self.plan_of(plan)
+        options = plan.layer_options()
         norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()
         eligible = dict.fromkeys(norms, fused_norm.norm_problem)
         if linear:
             eligible[nn.Linear] = linear_alignment_problem
         if not eligible:
             return ConversionReport(self.name)
-        targets, report = plan_conversion(model, self.name, eligible, self.is_converted, modules_to_ignore,
-                                          module_filter_fn, unfiltered=norms)
+        targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
+                                          plan.module_filter_fn, unfiltered=norms)
         report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options)
                               if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
