@@ -17,8 +17,12 @@ mask over as None. The attention function runs TE's FP8 attention
 - no attention mask (so no padding mask, no packed sequences, no KV cache, no sliding window or
   chunking, which all build one), causal, as many keys as queries, no dropout, none of the
   arguments some models add (sliding_window, softcap, sinks, position_bias, ...);
-- bfloat16 or float16 inputs (a model trained under bf16 autocast has them), one head dim for
-  queries and values, a multiple of 16, and query heads a multiple of the key/value heads.
+- bfloat16 or float16 to compute in: under autocast its dtype, to which the inputs are cast as
+  autocast casts them for SDPA (a Llama with float32 weights under bf16 autocast hands float32
+  queries and keys, RoPE's float32 cos and sin having promoted them); without it, the inputs'
+  one dtype;
+- one head dim for queries and values, a multiple of 16, and query heads a multiple of the
+  key/value heads.
 
 Everywhere else it calls transformers' own SDPA function, unchanged. The `fp8plug` logger says
 once per process what runs, and once each reason for falling back. Where TE refuses a call (no
@@ -60,6 +64,7 @@ UNSUPPORTED_ARGUMENTS = ("sliding_window", "softcap", "s_aux", "sinks", "positio
                          "cu_seq_lens_k", "indices", "block_indices", "attention_chunk_size")
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIM_MULTIPLE = 16
+COMPILED = "the model runs under torch.compile (TransformerEngine's modules cannot be traced)"
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,9 @@ def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """transformers' attention-function contract (as its sdpa_attention_forward): query [B, H, T, D],
     key and value [B, Hkv, S, D] -> ([B, T, H, D], None). TE's FP8 attention where it applies
     (the module doc), transformers' SDPA function otherwise."""
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        _note_compiled()
+    else:
         settings = settings_of(module)
         reason = why_sdpa(module, query, key, value, attention_mask, dropout, is_causal, kwargs, settings)
         if reason is None:
@@ -193,6 +200,15 @@ def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
                       "fp8plug: fp8_dpa: transformers' SDPA instead of FP8 attention where %s.", reason)
     return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                    **kwargs)
+
+
+@torch.compiler.assume_constant_result
+def _note_compiled() -> bool:
+    """Log the torch.compile fall-back once. Run while dynamo traces (its result is taken as a
+    constant), so it costs the compiled graph nothing and breaks no graph, as a log call would."""
+    _log_once(logging.INFO, ("fallback", "compiled"),
+              "fp8plug: fp8_dpa: transformers' SDPA instead of FP8 attention where %s.", COMPILED)
+    return True
 
 
 def _sdpa() -> Callable:
@@ -222,7 +238,8 @@ def why_sdpa(module: nn.Module, query, key, value, attention_mask, dropout, is_c
     given = [name for name in UNSUPPORTED_ARGUMENTS if kwargs.get(name) is not None]
     if given:
         return f"the model passes {given[0]}"
-    if query.dtype not in INPUT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    mixed = not _autocast(query) and not query.dtype == key.dtype == value.dtype  # autocast would cast them
+    if compute_dtype(query) not in INPUT_DTYPES or mixed:
         return (f"the inputs are {query.dtype}, {key.dtype}, {value.dtype}; FP8 attention takes bfloat16 or float16 "
                 "(train under bf16 autocast)")
     if query.shape[-1] != value.shape[-1] or query.shape[-1] % HEAD_DIM_MULTIPLE:
@@ -232,10 +249,25 @@ def why_sdpa(module: nn.Module, query, key, value, attention_mask, dropout, is_c
     return None
 
 
+def _autocast(tensor) -> bool:
+    return torch.is_autocast_enabled(tensor.device.type)
+
+
+def compute_dtype(query) -> torch.dtype:
+    """The dtype attention computes in: under autocast, autocast's (transformers' SDPA is cast to
+    it there: a Llama with float32 weights under bf16 autocast hands float32 queries and keys,
+    RoPE's float32 cos and sin having promoted them, and bf16 values); else the query's."""
+    return torch.get_autocast_dtype(query.device.type) if _autocast(query) else query.dtype
+
+
 def _fp8(module: nn.Module, query, key, value, scaling, settings: FP8AttentionSettings) -> Optional[torch.Tensor]:
     """TE's FP8 attention for this call, or None where TE could not be built or refused this shape
-    (then logged, and remembered so that it is not tried again)."""
+    (then logged, and remembered so that it is not tried again). The inputs are cast to the
+    compute dtype first, as autocast would cast them for SDPA."""
     from .backends._te_attention import TEAttention, attention_recipe
+
+    dtype = compute_dtype(query)
+    query, key, value = (t if t.dtype == dtype else t.to(dtype) for t in (query, key, value))
 
     runners = _RUNNERS.setdefault(module, {})
     key_ = (query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], scaling, settings)

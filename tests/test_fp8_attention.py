@@ -227,8 +227,9 @@ def test_a_broken_te_or_one_without_fp8_attention_is_reported(tmp_path, no_te):
 
 
 def _fake(shape, dtype=torch.bfloat16, cuda=True):
-    """What why_sdpa reads of a tensor: a CUDA bf16 tensor of `shape`, without a GPU."""
-    return SimpleNamespace(is_cuda=cuda, shape=torch.Size(shape), dtype=dtype)
+    """What why_sdpa reads of a tensor: a CUDA bf16 tensor of `shape`, without a GPU. Its device
+    type, which says whose autocast applies, is the CPU's, so that a test can turn autocast on."""
+    return SimpleNamespace(is_cuda=cuda, shape=torch.Size(shape), dtype=dtype, device=torch.device("cpu"))
 
 
 def test_only_a_training_causal_call_without_a_mask_on_cuda_takes_fp8_attention():
@@ -253,6 +254,10 @@ def test_only_a_training_causal_call_without_a_mask_on_cuda_takes_fp8_attention(
     assert why(kwargs={"sliding_window": 128}) == "the model passes sliding_window"
     assert why(kwargs={"sliding_window": None}) is None
     assert "float32" in why(q=_fake((2, 8, 256, 64), torch.float32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights under bf16 autocast: RoPE'd q, k in float32
+        assert why(q=_fake((2, 8, 256, 64), torch.float32), k=_fake((2, 2, 256, 64), torch.float32)) is None
+        assert fp8_attention.compute_dtype(torch.zeros(1)) == torch.bfloat16
+    assert fp8_attention.compute_dtype(torch.zeros(1)) == torch.float32
     assert "head dims are 72" in why(q=_fake((2, 8, 256, 72)), k=_fake((2, 2, 256, 72)), v=_fake((2, 2, 256, 72)))
     assert "not a multiple" in why(k=_fake((2, 3, 256, 64)), v=_fake((2, 3, 256, 64)))
 
@@ -279,14 +284,17 @@ def test_on_the_cpu_the_switched_model_computes_exactly_what_sdpa_computes(fp8_a
                            plain.eval().generate(prompt, max_new_tokens=5, do_sample=False, use_cache=True))
 
 
-def test_compiled_it_is_sdpa_with_is_causal_in_one_graph(fp8_attention_runs):
+def test_compiled_it_is_sdpa_with_is_causal_in_one_graph(fp8_attention_runs, caplog):
     plain = llama()
     model = copy.deepcopy(plain)
     fp8_attention.use_fp8_attention(model, Plan(fp8_dpa=True))
     model.train()
     graphs = []
-    calls, logits = compiled_attention_masks(model, input_ids=ids())
+    with caplog.at_level(logging.INFO, logger="fp8plug"):
+        calls, logits = compiled_attention_masks(model, input_ids=ids())
     assert calls == [(False, True)] * 2  # no mask built, is_causal, as "fp8plug_sdpa" compiled
+    (note,) = [m for m in messages(caplog, logging.INFO) if "instead of FP8 attention" in m]
+    assert "under torch.compile" in note  # said once, while tracing
 
     def count(graph_module, example_inputs):
         graphs.append(graph_module)
@@ -330,3 +338,35 @@ def test_a_call_te_refuses_falls_back_to_sdpa_once_and_for_good(monkeypatch, cap
     monkeypatch.setattr(_te_attention, "TEAttention", OutOfMemory)
     with pytest.raises(torch.cuda.OutOfMemoryError):  # not a refusal: the user must see it
         fp8_attention._fp8(torch.nn.Module(), q, kv, kv, None, fp8_attention.DEFAULT_SETTINGS)
+
+
+def test_the_te_attention_is_made_once_per_module_and_shape_and_gets_the_compute_dtype(monkeypatch):
+    """A recording stand-in for TE's attention: fp8plug's plumbing only (what it is built with,
+    how often, what it is handed, what comes back), not FP8 attention."""
+
+    class Recording:
+        made = []
+
+        def __init__(self, heads, kv_heads, head_dim, value_dim, scale, recipe, device):
+            self.made.append((heads, kv_heads, head_dim, value_dim, scale, recipe))
+            self.seen, self.calls = [], 0
+
+        def __call__(self, query, key, value, training):
+            self.seen.append((query.dtype, key.dtype, value.dtype, training))
+            self.calls += 1
+            return torch.zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype)
+
+    monkeypatch.setattr(_te_attention, "TEAttention", Recording)
+    monkeypatch.setattr(_te_attention, "attention_recipe", lambda **kwargs: tuple(sorted(kwargs.items())))
+    module = torch.nn.Module()
+    q, kv = torch.zeros(1, 4, 16, 16), torch.zeros(1, 2, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            out = fp8_attention._fp8(module, q, kv, kv.bfloat16(), 0.25, fp8_attention.DEFAULT_SETTINGS)
+    assert out.shape == (1, 16, 4, 16) and out.dtype == torch.bfloat16
+    assert Recording.made == [(4, 2, 16, 16, 0.25, tuple(sorted(fp8_attention.DEFAULT_SETTINGS.recipe_arguments()
+                                                                .items())))]
+    (runner,) = fp8_attention.fp8_attention_modules(torch.nn.ModuleDict({"attn": module})).values()
+    assert runner.seen == [(torch.bfloat16,) * 3 + (True,)] * 2 and runner.calls == 2
+    fp8_attention._fp8(module, torch.zeros(1, 8, 16, 16), kv, kv, 0.25, fp8_attention.DEFAULT_SETTINGS)
+    assert len(Recording.made) == 2  # another shape: another TE module beside the first

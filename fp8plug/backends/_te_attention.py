@@ -131,13 +131,16 @@ class TEAttention:
                 attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal", softmax_scale=softmax_scale)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, training: bool) -> torch.Tensor:
-        """Attention of [B, H, T, D] query, key and value ([B, Hkv, T, D]); returns [B, T, H, Dv]."""
+        """Attention of [B, H, T, D] query, key and value ([B, Hkv, T, D]), all of one dtype
+        (bfloat16 or float16); returns [B, T, H, Dv] in it."""
         if self.dpa.training != training:
             self.dpa.train(training)
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             query, key, value = _UpdateBackwardScales.apply(query, key, value)
         batch, heads, tokens, _ = query.shape
-        with torch.cuda.device(query.device), self.api.autocast(enabled=True, recipe=self.recipe):
+        # the inputs are in the dtype to compute in already; torch's autocast stays out of TE's way
+        with torch.cuda.device(query.device), torch.autocast(query.device.type, enabled=False), \
+                self.api.autocast(enabled=True, recipe=self.recipe):
             out = self.dpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         self.calls += 1
         return out.reshape(batch, tokens, heads, value.shape[-1])

@@ -176,4 +176,4 @@ def test_eval_a_padding_mask_and_compile_fall_back_to_sdpa(caplog):
         torch.compile(model, backend="aot_eager")(input_ids=ids)  # TE's modules cannot be traced
     assert all(r.calls == 1 for r in runners.values())  # none of them ran FP8 attention
     reasons = " ".join(r.getMessage() for r in caplog.records if "instead of FP8 attention" in r.getMessage())
-    assert "attention mask" in reasons and "eval mode" in reasons, reasons
+    assert "attention mask" in reasons and "eval mode" in reasons and "torch.compile" in reasons, reasons
