@@ -128,13 +128,8 @@ def run(engine, fp8_dpa, steps=STEPS):
     return accelerator.unwrap_model(model), losses
 
 
-@pytest.fixture(scope="module")
-def finals():
-    return {}
-
-
 @pytest.mark.parametrize("engine", ["native", "te"])
-def test_a_llama_trains_with_fp8_attention_close_to_without(engine, finals):
+def test_a_llama_trains_with_fp8_attention_close_to_without(engine):
     model, losses = run(engine, True)
     assert model.config._attn_implementation == FP8PLUG_FP8_DPA
     runners = fp8_attention.fp8_attention_modules(model)
