@@ -11,6 +11,7 @@ row changes only the Accelerator:
   accelerate-te           the same with TERecipeKwargs()
   fp8plug                 fp8plug.Accelerator(mixed_precision="fp8")   (the automatic engine choice)
   fp8plug-native|ao|te    fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend=...)])
+  fp8plug-dpa             the same with FP8RecipeKwargs(fp8_dpa=True): FP8 attention (eager rows; not a default row)
 
 each `-eager`, `-compiled`, `-usercompiled`, `-precompiled` or `-trainer`: compiled = the whole
 model under torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled
@@ -101,6 +102,9 @@ PRESETS = {
 # turning it off, as one GPU allows, keeps the Parameters. bf16-skipmask: bf16 with fp8plug's
 # attention change alone (fp8plug.attention.skip_causal_mask); fp8plug-keepmask: fp8plug without
 # it (skip_causal_mask=False): together they split fp8plug's gain into attention's and FP8's.
+# fp8plug-dpa: fp8plug with FP8 attention (fp8_dpa=True, fp8plug.fp8_attention; TransformerEngine
+# on an sm_90+ GPU): only its eager rows run it (compiled, attention falls back to SDPA), and
+# like the mask rows it is left out of the default rows.
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
     "bf16-skipmask": ("accelerate", "bf16", None, dict(skip_causal_mask=True)),
@@ -109,6 +113,7 @@ BASES = {
     "accelerate-te": ("accelerate", "fp8", "te", {}),
     "fp8plug": ("fp8plug", "fp8", None, {}),
     "fp8plug-keepmask": ("fp8plug", "fp8", None, dict(skip_causal_mask=False)),
+    "fp8plug-dpa": ("fp8plug", "fp8", None, dict(fp8_dpa=True)),
     "fp8plug-native": ("fp8plug", "fp8", "native", {}),
     "fp8plug-native-dynamic": ("fp8plug", "fp8", "native", dict(scaling="dynamic")),
     "fp8plug-native-delayed": ("fp8plug", "fp8", "native", dict(scaling="delayed")),
@@ -122,7 +127,8 @@ BASES = {
 MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
-                and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row]
+                and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row
+                and "-dpa-" not in row]
 REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with numbers is the ratios' base
 
 
@@ -132,7 +138,13 @@ REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with n
 def unavailable(row: str, device) -> str:
     """Why `row` cannot run on `device` ('' if it can). Accelerate's rows are judged by Accelerate's
     own checks (which import nothing), fp8plug's by fp8plug's engine choice."""
-    kind, _, engine, _ = BASES[row.rsplit("-", 1)[0]]
+    kind, _, engine, options = BASES[row.rsplit("-", 1)[0]]
+    if options.get("fp8_dpa"):  # without FP8 attention the row would be plain fp8plug's under another name
+        from fp8plug.backends._te_attention import fp8_attention_problem
+
+        problem = fp8_attention_problem(device)
+        if problem:
+            return f"fp8_dpa: {problem}"
     if kind == "accelerate":
         from accelerate.utils import is_torchao_available, is_transformer_engine_available
 

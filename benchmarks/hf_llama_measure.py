@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 
 from step_profile import memory_at_peak
@@ -55,6 +56,9 @@ def model_facts(model, optimizer, accelerator, engine: str | None) -> dict:
         raise RuntimeError("no module was converted to FP8")
     for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
         out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
+    if getattr(getattr(accelerator, "fp8_plan", None), "fp8_dpa", False):  # how many attention calls ran in FP8
+        runners = sys.modules["fp8plug.fp8_attention"].fp8_attention_modules(model)
+        out["fp8_attention_calls"] = sum(runner.calls for runner in runners.values())
     return out
 
 

@@ -12,6 +12,7 @@ from .backends import get_backend, select_backend
 from .backends.base import Engine
 from .convert import ConversionReport
 from .coverage import describe_engine, log_conversion, logger
+from .fp8_attention import use_fp8_attention
 from .plans import Plan, make_plan
 from .recipe import BACKENDS, FP8RecipeKwargs
 from .steps import end_step
@@ -72,11 +73,14 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
     converts as its plan says (made once, at selection, by fp8plug.plans.make_plan: the recipe
     checked, the automatic speed filter added where it applies), then one line is logged under
     the `fp8plug` logger (fp8plug.coverage). A transformers model on "sdpa" attention also gets
-    attention without a built causal mask where the plan says so (fp8plug.attention)."""
+    attention without a built causal mask where the plan says so (fp8plug.attention), and FP8
+    attention where it asks for it (`fp8_dpa`, fp8plug.fp8_attention)."""
     report = engine.convert_layers(model, plan, linear=linear, norm=norm)
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     if plan.skip_causal_mask:
         skip_causal_mask(model)
+    if plan.fp8_dpa:
+        use_fp8_attention(model, plan)
     return report
 
 
@@ -87,7 +91,8 @@ def loaded_engines():
 
 def unconvert_model(model: nn.Module) -> nn.Module:
     """Swap every engine's FP8 modules back for torch modules with the same weights, in place
-    (and a transformers model's attention back to "sdpa" where conversion changed it)."""
+    (and a transformers model's attention back to "sdpa" where conversion changed it: the causal
+    mask change and FP8 attention alike)."""
     for engine in loaded_engines():
         engine.unconvert(model)
     restore_sdpa(model)

@@ -31,12 +31,16 @@ Conversion (fp8plug.api.convert_with_plan) switches a transformers model whose a
 once in the `fp8plug` log; `unconvert_model` and `export_model` switch it back, so a shipped model
 names "sdpa". Caveat: `torch.export` of a model still on FP8PLUG_SDPA hard-codes is_causal for
 the traced shapes; export after `fp8plug.export_model`.
+
+FP8 attention (the recipe's `fp8_dpa`, fp8plug.fp8_attention) registers a second name,
+FP8PLUG_FP8_DPA, with the same mask function and hooks (`register_attention`,
+`switch_attention`); `restore_sdpa` undoes either.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
@@ -45,6 +49,8 @@ from ._upstream import attention_implementation, report_unpacked_while
 logger = logging.getLogger("fp8plug")
 
 FP8PLUG_SDPA = "fp8plug_sdpa"
+FP8PLUG_FP8_DPA = "fp8plug_fp8_dpa"  # fp8plug.fp8_attention: FP8PLUG_SDPA's mask, FP8 attention where it can
+SWITCHED = (FP8PLUG_SDPA, FP8PLUG_FP8_DPA)  # what restore_sdpa puts back to "sdpa"
 SDPA = "sdpa"
 _logged = set()
 
@@ -72,14 +78,17 @@ def _positions_are_own() -> bool:
     return _POSITIONS.own
 
 
-def _register() -> None:
-    """Register FP8PLUG_SDPA with transformers' attention and mask registries (once)."""
+def register_attention(name: str, function: Optional[Callable] = None) -> None:
+    """Register `name` with transformers' attention and mask registries (once): `function` as its
+    attention function (None: transformers' own SDPA function), `causal_or_sdpa_mask` as its mask
+    function. A name with no mask function would get no mask at all from transformers, padding
+    included, so both registries always get one."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    if FP8PLUG_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(FP8PLUG_SDPA, ALL_ATTENTION_FUNCTIONS[SDPA])
-        AttentionMaskInterface.register(FP8PLUG_SDPA, causal_or_sdpa_mask)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, function or ALL_ATTENTION_FUNCTIONS[SDPA])
+        AttentionMaskInterface.register(name, causal_or_sdpa_mask)
 
 
 def causal_or_sdpa_mask(*args, **kwargs) -> Optional[Any]:
@@ -108,7 +117,7 @@ def _plain_causal(kwargs, causal_mask_function) -> bool:
     return q_length == kv_length
 
 
-def _transformers_models(model: nn.Module) -> Iterator[nn.Module]:
+def transformers_models(model: nn.Module) -> Iterator[nn.Module]:
     """The outermost transformers PreTrainedModels in `model` (itself, or the ones it wraps, as a
     PEFT model wraps one)."""
     try:
@@ -132,31 +141,41 @@ def _transformers_models_within(model: nn.Module) -> Iterator[nn.Module]:
     return (m for m in model.modules() if isinstance(m, PreTrainedModel))
 
 
-def _implementations(model: nn.Module) -> set:
-    """The attention implementations `model`'s config and its sub-configs name."""
-    names, configs = set(), [model.config]
+def model_configs(model: nn.Module) -> Iterator[Any]:
+    """`model`'s config and its sub-configs (a multimodal model's text and vision configs)."""
+    configs = [model.config]
     while configs:
         config = configs.pop()
-        names.add(attention_implementation(config))
+        yield config
         configs.extend(c for key in getattr(config, "sub_configs", {}) or {}
                        if (c := getattr(config, key, None)) is not None)
-    return names
+
+
+def implementations(model: nn.Module) -> set:
+    """The attention implementations `model`'s config and its sub-configs name."""
+    return {attention_implementation(config) for config in model_configs(model)}
+
+
+def switch_attention(hf_model: nn.Module, name: str) -> None:
+    """Put one transformers model on attention `name` (registered with register_attention), with
+    the forward hooks that note whether the caller passed position ids (see the module doc)."""
+    hf_model.set_attn_implementation(name)
+    report_unpacked_while(_positions_are_own)
+    for module in _transformers_models_within(hf_model):
+        if _note_positions not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_note_positions, with_kwargs=True)
+            module.register_forward_hook(_end_positions, with_kwargs=True, always_call=True)
 
 
 def skip_causal_mask(model: nn.Module) -> bool:
     """Switch every transformers model in `model` whose attention is "sdpa" (all of its configs)
     to FP8PLUG_SDPA; logs once per model class. Returns whether any was switched."""
     switched = False
-    for hf_model in _transformers_models(model):
-        if _implementations(hf_model) != {SDPA}:
+    for hf_model in transformers_models(model):
+        if implementations(hf_model) != {SDPA}:
             continue
-        _register()
-        hf_model.set_attn_implementation(FP8PLUG_SDPA)
-        report_unpacked_while(_positions_are_own)
-        for module in _transformers_models_within(hf_model):
-            if _note_positions not in module._forward_pre_hooks.values():
-                module.register_forward_pre_hook(_note_positions, with_kwargs=True)
-                module.register_forward_hook(_end_positions, with_kwargs=True, always_call=True)
+        register_attention(FP8PLUG_SDPA)
+        switch_attention(hf_model, FP8PLUG_SDPA)
         switched = True
         name = type(hf_model).__name__
         if name not in _logged:
@@ -170,9 +189,10 @@ def skip_causal_mask(model: nn.Module) -> bool:
 
 
 def restore_sdpa(model: nn.Module) -> None:
-    """Put "sdpa" back wherever skip_causal_mask switched a model to FP8PLUG_SDPA, and its hooks off."""
-    for hf_model in _transformers_models(model):
-        if FP8PLUG_SDPA in _implementations(hf_model):
+    """Put "sdpa" back wherever conversion switched a model to FP8PLUG_SDPA or FP8PLUG_FP8_DPA
+    (fp8plug.fp8_attention), and its hooks off."""
+    for hf_model in transformers_models(model):
+        if implementations(hf_model) & set(SWITCHED):
             hf_model.set_attn_implementation(SDPA)
         for module in _transformers_models_within(hf_model):
             for hooks, hook in ((module._forward_pre_hooks, _note_positions), (module._forward_hooks, _end_positions)):

@@ -42,7 +42,7 @@ Engine = Any
 # optimizer states) rather than by an engine: never "ignored", always in an engine's Settings.
 SHARED: FrozenSet[str] = frozenset({
     "backend", "scaling", "modules_to_ignore", "module_filter_fn", "auto_filter", "auto_filter_tokens",
-    "optimizer_states", "skip_causal_mask",
+    "optimizer_states", "skip_causal_mask", "fp8_dpa",
 })
 
 
@@ -60,6 +60,9 @@ class Plan:
     use_autocast_during_eval: FP8 in eval mode too (fp8plug.autocast).
     optimizer_states: low-precision optimizer states (fp8plug.optim).
     skip_causal_mask: transformers' SDPA attention without a built causal mask (fp8plug.attention).
+    fp8_dpa: a transformers model's causal attention in FP8 through TransformerEngine
+        (fp8plug.fp8_attention); its delayed scaling takes the engine's settings where the plan
+        is a DelayedScalingPlan, else the recipe's defaults.
     """
 
     scaling: str = ""
@@ -68,6 +71,7 @@ class Plan:
     use_autocast_during_eval: bool = False
     optimizer_states: Optional[str] = None
     skip_causal_mask: bool = True
+    fp8_dpa: bool = False
 
     def describe_scaling(self) -> str:
         """The scaling as the conversion's log line names it (an engine's plan may say more)."""
@@ -150,7 +154,7 @@ def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=N
     return dataclasses.replace(  # an engine that named its scaling itself (a whole ao_config) keeps that name
         plan, scaling=plan.scaling or scaling, modules_to_ignore=recipe.modules_to_ignore, module_filter_fn=module_filter_fn,
         use_autocast_during_eval=recipe.use_autocast_during_eval, optimizer_states=recipe.optimizer_states,
-        skip_causal_mask=recipe.skip_causal_mask,
+        skip_causal_mask=recipe.skip_causal_mask, fp8_dpa=recipe.fp8_dpa,
     )
 
 

@@ -59,6 +59,7 @@ DEFAULTS = {
     "auto_filter_tokens": None,
     "reduce_amax": True,
     "skip_causal_mask": True,
+    "fp8_dpa": False,
 }
 # What each field that only some engines read applies to: the reason in the warning an engine
 # that ignores the field gives (fp8plug.plans; an engine may say more, Engine.why_ignored).
@@ -161,6 +162,11 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             a built causal mask wherever no padding mask is passed, under torch.compile too
             (fp8plug.attention; default True); False leaves its attention alone.
             Environment: FP8PLUG_SKIP_CAUSAL_MASK.
+        fp8_dpa: FP8 attention (TransformerEngine's name): a transformers model on "sdpa" attention
+            runs causal attention through TransformerEngine's FP8 dot-product attention (cuDNN's
+            FP8 fused attention, delayed scaling) while training on a compute capability 9.0+ GPU,
+            and transformers' SDPA wherever that cannot run (fp8plug.fp8_attention). Default False:
+            measured slower than bf16 SDPA (docs/attention.md). Environment: FP8PLUG_FP8_DPA.
 
     Accelerate's own field names are accepted too (`module_filter_func`, `config`,
     `use_mxfp8_block_scaling`, `amax_history_length`, ...; see ACCELERATE_NAMES). A recipe made by
@@ -187,6 +193,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
     auto_filter_tokens: Optional[int] = None
     reduce_amax: Optional[bool] = None
     skip_causal_mask: Optional[bool] = None
+    fp8_dpa: Optional[bool] = None
     # What this recipe resolved to; dataclasses.replace passes it to the new recipe, which can so
     # tell a field the caller changed from one that only came along (see _forget_inherited).
     _resolved: Optional["_Resolved"] = field(default=None, repr=False, compare=False)
@@ -274,6 +281,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             setattr(self, name, self._bounded(name))
         self.reduce_amax = parse_bool(self.reduce_amax, self._label("reduce_amax"))
         self.skip_causal_mask = parse_bool(self.skip_causal_mask, self._label("skip_causal_mask"))
+        self.fp8_dpa = parse_bool(self.fp8_dpa, self._label("fp8_dpa"))
         self.override_linear_precision = _override(self.override_linear_precision)
         self.scaling = _scaling(self.scaling)
         if self.modules_to_ignore is not None:
