@@ -166,7 +166,8 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
             runs causal attention through TransformerEngine's FP8 dot-product attention (cuDNN's
             FP8 fused attention, delayed scaling) while training on a compute capability 9.0+ GPU,
             and transformers' SDPA wherever that cannot run (fp8plug.fp8_attention). Default False:
-            measured slower than bf16 SDPA (docs/attention.md). Environment: FP8PLUG_FP8_DPA.
+            on an H100 it was slower than bf16 SDPA, and 3% higher in loss after 200 steps
+            (docs/attention.md). Environment: FP8PLUG_FP8_DPA.
 
     Accelerate's own field names are accepted too (`module_filter_func`, `config`,
     `use_mxfp8_block_scaling`, `amax_history_length`, ...; see ACCELERATE_NAMES). A recipe made by

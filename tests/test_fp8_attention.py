@@ -370,3 +370,16 @@ def test_the_te_attention_is_made_once_per_module_and_shape_and_gets_the_compute
     assert runner.seen == [(torch.bfloat16,) * 3 + (True,)] * 2 and runner.calls == 2
     fp8_attention._fp8(module, torch.zeros(1, 8, 16, 16), kv, kv, 0.25, fp8_attention.DEFAULT_SETTINGS)
     assert len(Recording.made) == 2  # another shape: another TE module beside the first
+
+
+def test_te_gets_bshd_without_a_copy_where_transformers_lays_tensors_out_so():
+    """transformers' [B, H, T, D] tensors are transposed views of [B, T, H, D]: TE's "bshd" takes
+    them as they are. A contiguous [B, H, T, D] tensor (another model's layout) is copied once,
+    since TE views heads and head dim as one (it refused it with a view error on the H100)."""
+    bthd = torch.randn(2, 16, 4, 8)
+    as_transformers = bthd.transpose(1, 2)
+    got = _te_attention._bshd(as_transformers)
+    assert got.data_ptr() == bthd.data_ptr() and torch.equal(got, bthd)
+    contiguous = as_transformers.contiguous()
+    got = _te_attention._bshd(contiguous)
+    assert got.is_contiguous() and got.data_ptr() != contiguous.data_ptr() and torch.equal(got, bthd)

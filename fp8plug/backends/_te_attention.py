@@ -97,6 +97,15 @@ def attention_recipe(fp8_format: str, margin: int, amax_history_len: int, amax_c
     return _RECIPES[key]
 
 
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] as TE's "bshd" takes it: [B, T, H, D] with heads and head dim contiguous (TE
+    views them as one). transformers' Llama-style tensors are laid out so already (no copy); a
+    model that hands contiguous [B, H, T, D] gets one copy (TE refused those with a view error on
+    the H100, session 15)."""
+    t = t.transpose(1, 2)
+    return t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()
+
+
 class _UpdateBackwardScales(torch.autograd.Function):
     """The identity on (query, key, value). Its backward runs once the attention's backward has
     written its gradient amaxes, and updates the backward scales (see the module doc)."""
@@ -141,7 +150,7 @@ class TEAttention:
         # the inputs are in the dtype to compute in already; torch's autocast stays out of TE's way
         with torch.cuda.device(query.device), torch.autocast(query.device.type, enabled=False), \
                 self.api.autocast(enabled=True, recipe=self.recipe):
-            out = self.dpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+            out = self.dpa(*(_bshd(t) for t in (query, key, value)))
         self.calls += 1
         return out.reshape(batch, tokens, heads, value.shape[-1])
 
