@@ -25,21 +25,10 @@ from fp8plug.backends import _te_attention, get_backend  # noqa: E402
 from fp8plug.export import export_model  # noqa: E402
 from fp8plug.hardware import DeviceInfo  # noqa: E402
 from fp8plug.plans import Plan, make_plan  # noqa: E402
-from tests._hf import VOCAB, tiny_llama  # noqa: E402
-from tests.test_attention import compiled_attention_masks  # noqa: E402
+from tests.test_attention import compiled_attention_masks, ids, llama  # noqa: E402
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
-
-
-def llama(seed=0):
-    model = tiny_llama(seed)
-    model.config.use_cache = False
-    return model
-
-
-def ids(batch=2, seq=32, seed=0):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def messages(caplog, level):
