@@ -77,8 +77,8 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from hf_llama_measure import (StepClock, dynamo_graphs, gpu_memory, model_facts, note_early_step,  # noqa: E402
-                              step_numbers)
+from hf_llama_measure import (StepClock, dynamo_graphs, fp8_attention_calls, gpu_memory, model_facts,  # noqa: E402
+                              note_early_step, step_numbers)
 from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
 from step_profile import profile_steps  # noqa: E402
 
@@ -281,6 +281,7 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
             out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
     out.update(step_numbers(spec, steps, warmup, [clock.ms(a, b) for a, b in zip(marks, marks[1:])], losses))
     out["dynamo_graphs"] = dynamo_graphs()
+    out.update(fp8_attention_calls(model, accelerator))
     return out
 
 

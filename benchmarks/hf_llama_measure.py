@@ -56,10 +56,16 @@ def model_facts(model, optimizer, accelerator, engine: str | None) -> dict:
         raise RuntimeError("no module was converted to FP8")
     for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
         out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
-    if getattr(getattr(accelerator, "fp8_plan", None), "fp8_dpa", False):  # how many attention calls ran in FP8
-        runners = sys.modules["fp8plug.fp8_attention"].fp8_attention_modules(model)
-        out["fp8_attention_calls"] = sum(runner.calls for runner in runners.values())
     return out
+
+
+def fp8_attention_calls(model, accelerator) -> dict:
+    """{"fp8_attention_calls": the attention calls that ran in FP8} where the row asked for FP8
+    attention (fp8_dpa), else {}. Read after training: before it, no call has run."""
+    if not getattr(getattr(accelerator, "fp8_plan", None), "fp8_dpa", False):
+        return {}
+    runners = sys.modules["fp8plug.fp8_attention"].fp8_attention_modules(model)
+    return {"fp8_attention_calls": sum(runner.calls for runner in runners.values())}
 
 
 def note_early_step(out: dict, i: int, warmup: int, t0: float, cuda: bool) -> None:
