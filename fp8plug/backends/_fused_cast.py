@@ -97,14 +97,20 @@ def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype,
     return torch.ops.fp8plug.cast_transpose(t.contiguous(), flags[0], flags[1], dtype, 0, True, amax)
 
 
-def _can_build() -> bool:
-    if not torch.cuda.is_available() or not hasattr(torch.library, "triton_op"):
+def triton_on_cuda() -> bool:
+    """Whether Triton kernels can be built and launched here: a CUDA GPU and Triton installed.
+    The one check for this module's kernels and backends._fused_norm's."""
+    if not torch.cuda.is_available():
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def _can_build() -> bool:
+    return hasattr(torch.library, "triton_op") and triton_on_cuda()
 
 
 def _build():

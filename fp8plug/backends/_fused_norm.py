@@ -29,6 +29,7 @@ from typing import Optional, Set
 import torch
 from torch import nn
 
+from . import _fused_cast as fused_cast
 from . import _shared_input as shared_input
 
 # Widest normalised dimension one program holds in registers (a row per program at a time).
@@ -132,7 +133,7 @@ def load() -> bool:
     there. Called when a norm is converted, never inside torch.compile."""
     global _KERNELS
     if _KERNELS is None:
-        _KERNELS = _build() if _can_build() else False
+        _KERNELS = _build() if fused_cast.triton_on_cuda() else False
     return bool(_KERNELS)
 
 
@@ -143,16 +144,6 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.device == x.device and weight.is_contiguous()
             and x.dtype in _FLOAT_DTYPES and weight.dtype in _FLOAT_DTYPES
             and x.shape[-1] == weight.numel() <= MAX_WIDTH and x.numel() > 0)
-
-
-def _can_build() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _programs(rows: int, device: torch.device) -> int:

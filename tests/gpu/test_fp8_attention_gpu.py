@@ -32,6 +32,7 @@ from fp8plug.backends._te_attention import fp8_attention_problem  # noqa: E402
 from fp8plug.models import synthetic_batches  # noqa: E402
 from fp8plug.plans import Plan  # noqa: E402
 from tests._hf import fresh  # noqa: E402
+from tests._numerics import sqnr_db  # noqa: E402
 from tests._training import hf_loss, tail_mean, train  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -45,12 +46,6 @@ MAX_SQNR_OUT = 40.0  # above this the output would be bf16's, not FP8's
 STEPS = 30
 MAX_GAP = 0.05  # relative gap of the final loss (mean of the last 10 steps) to the run without FP8 attention
 VOCAB, SEQ = 1024, 256
-
-
-def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
-    reference, test = reference.double(), test.double()
-    noise = (reference - test).pow(2).mean().clamp_min(1e-30)
-    return float(10 * torch.log10(reference.pow(2).mean() / noise))
 
 
 class Attention(nn.Module):
@@ -98,7 +93,7 @@ def test_one_call_has_fp8_error_within_bounds_and_keeps_both_scales_moving():
     assert runner.calls == 4
     state = runner.scaling_state()
     assert (state["fwd_scale"] != 1).any() and (state["bwd_scale"] != 1).any(), state
-    measured = {name: sqnr(r, g) for name, r, g in zip(("out", "dq", "dk", "dv"), want, got)}
+    measured = {name: sqnr_db(g, r) for name, r, g in zip(("out", "dq", "dk", "dv"), want, got)}
     print(f"\n  FP8 attention SQNR vs float32 (dB): {measured}")
     assert got[0].shape == (2, 1024, 16, 128) and got[0].dtype == torch.bfloat16
     for name, bound in MIN_SQNR.items():
