@@ -2,7 +2,7 @@
 FP8 GEMM (fp8plug's emulation, and torch's own CPU `torch._scaled_mm` as it was used before).
 
 Why: torch's CPU `_scaled_mm` takes oneDNN's reference kernel on some CPUs (AMX Xeons), hundreds of
-times slower than bf16; fp8plug emulates FP8 GEMMs in bf16 on every CPU (fp8plug.fp8_gemm). This
+times slower than bf16; fp8plug emulates FP8 GEMMs in bf16 on every CPU (fp8plug.backends.gemm). This
 measures both on the machine it runs on, so the choice is checked where it matters.
 
     python3 benchmarks/cpu_fp8.py                   # all ways, the threads torch picks
@@ -26,9 +26,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import fp8plug  # noqa: E402
-from fp8plug import fp8_gemm  # noqa: E402
-from fp8plug.backends import native  # noqa: E402
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
+from fp8plug.backends import gemm as fp8_gemm  # noqa: E402
+from fp8plug.backends.native import engine as native  # noqa: E402
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
 
 
 def torch_scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=False, bias=None):

@@ -13,7 +13,7 @@ three input gradients). Variants:
   te-bf16        TE's DotProductAttention without FP8 (its own choice of fused kernel)
   te-fp8-delayed TE's FP8 DPA under DelayedScaling(fp8_dpa=True) (cuDNN's FP8 fused attention)
   te-fp8-current TE's FP8 DPA under Float8CurrentScaling(fp8_dpa=True)
-  fp8plug-dpa    what a model with FP8RecipeKwargs(fp8_dpa=True) runs: fp8plug.fp8_attention's
+  fp8plug-dpa    what a model with FP8RecipeKwargs(fp8_dpa=True) runs: fp8plug.hf.fp8_attention's
                  attention function in training mode (TE's FP8 DPA, delayed scaling, plus the
                  update of the backward scales after each backward)
 
@@ -62,7 +62,7 @@ def sdpa(q, k, v):
 
 
 def make_te(recipe_name, heads, kv_heads, dim, layout):
-    from fp8plug.backends._te_import import TEApi, import_te
+    from fp8plug.backends.te.imports import TEApi, import_te
 
     te = import_te()
     from transformer_engine.common import recipe as te_recipe
@@ -85,10 +85,10 @@ def make_te(recipe_name, heads, kv_heads, dim, layout):
 
 
 def fp8plug_dpa():
-    """fp8plug.fp8_attention's attention function, as a converted Llama's attention module calls it."""
+    """fp8plug.hf.fp8_attention's attention function, as a converted Llama's attention module calls it."""
     from torch import nn
 
-    from fp8plug.fp8_attention import fp8_attention_forward
+    from fp8plug.hf.fp8_attention import fp8_attention_forward
 
     module = nn.Module().train()
     module.is_causal = True

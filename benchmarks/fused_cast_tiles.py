@@ -1,4 +1,4 @@
-"""How fast the one-pass FP8 cast (fp8plug.backends._fused_cast) runs per tile shape, in GB/s of
+"""How fast the one-pass FP8 cast (fp8plug.backends.native.fused_cast) runs per tile shape, in GB/s of
 memory traffic (read the tensor once, write it twice in FP8), against torch ops under
 torch.compile doing the same cast with the amax pass a dynamic scale needs. Picks
 fused_cast.TILE and TRANSPOSE_16BIT_IN_REGISTERS (columns ending in "-reg").
@@ -13,10 +13,10 @@ import json
 
 import torch
 
-from fp8plug.backends import _fused_cast as fused_cast
-from fp8plug.backends import native
+from fp8plug.backends.native import fused_cast
+from fp8plug.backends.native import engine as native
 from fp8plug.bench import Timer
-from fp8plug.scaling import E4M3
+from fp8plug.backends.native.scaling import E4M3
 
 TILES = [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8)]
 

@@ -18,7 +18,7 @@ model under torch.compile through the Accelerator's own `dynamo_backend="inducto
 = the user's own `torch.compile(model)` after prepare (how most training loops compile);
 precompiled = `torch.compile(model)` before prepare; trainer = `transformers.Trainer` with
 `TrainingArguments(torch_compile=True)` running the loop instead (issue 27): bf16 rows a plain
-Trainer(bf16=True), fp8plug rows the same Trainer class with `fp8plug.transformers.FP8TrainerMixin`
+Trainer(bf16=True), fp8plug rows the same Trainer class with `fp8plug.integrations.trainer.FP8TrainerMixin`
 and the row's recipe, accelerate-* rows Accelerate's FP8 set through the environment that
 `accelerate launch --mixed_precision fp8` exports (TrainingArguments cannot carry a recipe
 handler); hf_llama_trainer.py says what it sets to match the other rows and how it measures. The
@@ -100,9 +100,9 @@ PRESETS = {
 # all-gather, which wraps each converted weight in a new Parameter that an optimizer created
 # before prepare() never sees (those weights are then never updated: `params_not_stepped`);
 # turning it off, as one GPU allows, keeps the Parameters. bf16-skipmask: bf16 with fp8plug's
-# attention change alone (fp8plug.attention.skip_causal_mask); fp8plug-keepmask: fp8plug without
+# attention change alone (fp8plug.hf.attention.skip_causal_mask); fp8plug-keepmask: fp8plug without
 # it (skip_causal_mask=False): together they split fp8plug's gain into attention's and FP8's.
-# fp8plug-dpa: fp8plug with FP8 attention (fp8_dpa=True, fp8plug.fp8_attention; TransformerEngine
+# fp8plug-dpa: fp8plug with FP8 attention (fp8_dpa=True, fp8plug.hf.fp8_attention; TransformerEngine
 # on an sm_90+ GPU): only its eager rows run it (compiled, attention falls back to SDPA), and
 # like the mask rows it is left out of the default rows.
 BASES = {
@@ -140,7 +140,7 @@ def unavailable(row: str, device) -> str:
     own checks (which import nothing), fp8plug's by fp8plug's engine choice."""
     kind, _, engine, options = BASES[row.rsplit("-", 1)[0]]
     if options.get("fp8_dpa"):  # without FP8 attention the row would be plain fp8plug's under another name
-        from fp8plug.backends._te_attention import fp8_attention_problem
+        from fp8plug.backends.te.attention import fp8_attention_problem
 
         problem = fp8_attention_problem(device)
         if problem:
@@ -156,7 +156,7 @@ def unavailable(row: str, device) -> str:
             return "Accelerate's TransformerEngine path needs a CUDA GPU"
         return ""
     from fp8plug.backends import BackendUnavailableError, judge, select_backend
-    from fp8plug.hardware import device_info
+    from fp8plug.tuning.hardware import device_info
 
     if engine is not None:
         verdict = judge(engine, device_info(device))
@@ -208,7 +208,7 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
                       dynamo_backend=backend if mode == "compiled" else "no")
     model = build_model(spec, accelerator.device)
     if kind == "accelerate" and options.get("skip_causal_mask"):
-        from fp8plug.attention import skip_causal_mask
+        from fp8plug.hf.attention import skip_causal_mask
 
         skip_causal_mask(model)
     trainable = [p for p in model.parameters() if p.requires_grad]

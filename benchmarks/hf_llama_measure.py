@@ -64,7 +64,7 @@ def fp8_attention_calls(model, accelerator) -> dict:
     attention (fp8_dpa), else {}. Read after training: before it, no call has run."""
     if not getattr(getattr(accelerator, "fp8_plan", None), "fp8_dpa", False):
         return {}
-    runners = sys.modules["fp8plug.fp8_attention"].fp8_attention_modules(model)
+    runners = sys.modules["fp8plug.hf.fp8_attention"].fp8_attention_modules(model)
     return {"fp8_attention_calls": sum(runner.calls for runner in runners.values())}
 
 

@@ -9,7 +9,7 @@ learning-rate schedule) and hf_llama_measure.py (how each reported number is com
 Per row base (hf_llama.BASES):
   bf16, bf16-skipmask   transformers.Trainer, TrainingArguments(bf16=True) (skipmask: fp8plug's
                         attention change applied to the model first)
-  fp8plug[-engine...]   the same Trainer class with fp8plug.transformers.FP8TrainerMixin in front,
+  fp8plug[-engine...]   the same Trainer class with fp8plug.integrations.trainer.FP8TrainerMixin in front,
                         fp8_recipe=FP8RecipeKwargs(backend=...) where the row names an engine or
                         an option; `fp8plug` passes no recipe: fp8plug's own engine choice, which
                         sees Trainer's dynamo plugin and so chooses for a compiled model
@@ -116,7 +116,7 @@ def trainer_class(kind: str):
     """BenchTrainer, with FP8TrainerMixin in front for fp8plug rows (fp8plug's documented way)."""
     if kind != "fp8plug":
         return BenchTrainer
-    from fp8plug.transformers import FP8TrainerMixin
+    from fp8plug.integrations.trainer import FP8TrainerMixin
 
     class FP8BenchTrainer(FP8TrainerMixin, BenchTrainer):
         pass
@@ -139,7 +139,7 @@ def train_with_trainer(base: tuple, spec: dict, steps: int, warmup: int, lr: flo
     model = build_model(spec, device)
     extra, environment = {}, {}
     if kind == "accelerate" and options.get("skip_causal_mask"):
-        from fp8plug.attention import skip_causal_mask
+        from fp8plug.hf.attention import skip_causal_mask
 
         skip_causal_mask(model)
     elif kind == "accelerate" and precision == "fp8":

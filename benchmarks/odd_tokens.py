@@ -27,7 +27,7 @@ from torch import nn  # noqa: E402
 
 from fp8plug import FP8RecipeKwargs, fp8_coverage, get_backend  # noqa: E402
 from fp8plug import bench  # noqa: E402
-from fp8plug.hardware import device_info  # noqa: E402
+from fp8plug.tuning.hardware import device_info  # noqa: E402
 
 DEFAULT_TOKENS = "248,256,2047,2048,2049,2064,4095,4096,8191,8192"
 

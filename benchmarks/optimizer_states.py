@@ -1,11 +1,11 @@
-"""Low-precision Adam states (fp8plug.optim, torchao's low-bit AdamW) against fp32 AdamW.
+"""Low-precision Adam states (fp8plug.integrations.optim, torchao's low-bit AdamW) against fp32 AdamW.
 
 What MS-AMP's opt_level O2 offered (FP8 first moment, FP16 second), available on current stacks
 through `FP8RecipeKwargs(optimizer_states="fp8" | "8bit" | "4bit")`. For each kind, a small
-Llama-style decoder (fp8plug.models.TinyDecoder) trains for --steps steps from the same seed on the
+Llama-style decoder (fp8plug.bench.toy_model.TinyDecoder) trains for --steps steps from the same seed on the
 same synthetic batches, each run in its own process, and the table reports:
 
-  state MiB     bytes the optimizer's per-parameter states hold (fp8plug.optim.state_bytes:
+  state MiB     bytes the optimizer's per-parameter states hold (fp8plug.integrations.optim.state_bytes:
                 codes, scales and lookup tables as stored), and the factor against fp32 AdamW
   peak MiB      CUDA: torch.cuda.max_memory_allocated over training (weights, gradients,
                 activations, states); CPU: how much the process's peak RSS grew while training
@@ -70,9 +70,9 @@ def run_one(kind: str, model_name: str, device: str, steps: int, lr: float, comp
     if threads > 0:
         torch.set_num_threads(threads)
 
-    from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
-    from fp8plug.optim import convert_optimizer, state_bytes
-    from fp8plug.recipe import FP8RecipeKwargs
+    from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+    from fp8plug.integrations.optim import convert_optimizer, state_bytes
+    from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
     spec = dict(MODELS[model_name])
     batch, seq = spec.pop("batch"), spec.pop("seq")

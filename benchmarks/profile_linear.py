@@ -17,7 +17,7 @@ import torch
 
 from fp8plug.bench import BF16, parse_shapes, resolve_engines
 from fp8plug.bench.cases import EngineSpec, build_case
-from fp8plug.hardware import device_info
+from fp8plug.tuning.hardware import device_info
 from step_profile import profile_steps
 
 

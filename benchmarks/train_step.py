@@ -23,7 +23,7 @@ in %). The output head stays in bf16 on every FP8 path (modules_to_ignore), as i
     python3 benchmarks/train_step.py --model probe --out out/          # on a GPU
     python3 benchmarks/train_step.py --tiny --out /tmp/ts              # CPU smoke run
 
-Models (fp8plug.models.TinyDecoder: pre-norm attention + SwiGLU MLP, RMSNorm):
+Models (fp8plug.bench.toy_model.TinyDecoder: pre-norm attention + SwiGLU MLP, RMSNorm):
   probe  4 layers, d=4096, ffn=16384, 32 heads, vocab 32000, B=4, T=2048 (DESIGN.md's probe)
   1b     16 layers, d=2048, ffn=8192, 16 heads, vocab 32000, B=4, T=2048 (about 1.2B parameters)
   tiny   2 layers, d=64, ffn=256, vocab 256, B=2, T=32 (CPU smoke)
@@ -65,7 +65,7 @@ def build_model(spec: dict, device, dtype):
     import torch
     from torch import nn
 
-    from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss
+    from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss
 
     class WithLoss(nn.Module):
         def __init__(self, decoder):
@@ -235,7 +235,7 @@ def setup(path: str, engine: str, scaling, spec: dict, device, dtype, compile_ho
     # raw engines
     if engine == "native":
         from fp8plug.backends import get_backend
-        from fp8plug.recipe import FP8RecipeKwargs
+        from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
         native = get_backend("native")
         recipe = FP8RecipeKwargs(backend="native", scaling=scaling, modules_to_ignore=IGNORE)
@@ -382,7 +382,7 @@ def parse_engines(text: str):
 def unavailable_reason(engine: str, device) -> str:
     """Why `engine` cannot run here ('' if it can), from fp8plug's own judgement."""
     from fp8plug.backends import judge
-    from fp8plug.hardware import device_info
+    from fp8plug.tuning.hardware import device_info
 
     verdict = judge(engine, device_info(device))
     return "" if verdict.usable else verdict.reason

@@ -1,7 +1,7 @@
 """fp8plug's main demo: train a small decoder-only LM in FP8 and compare its loss with bf16.
 
 Runs on the CPU in seconds (measured: 8-12 s for both runs on 2 cores of an AMD EPYC and of an AMX
-Xeon; FP8 GEMMs are emulated on a CPU, fp8plug.fp8_gemm), or on a GPU with --device cuda; each run
+Xeon; FP8 GEMMs are emulated on a CPU, fp8plug.backends.gemm), or on a GPU with --device cuda; each run
 prints its progress every 25 steps. Both runs start from the same
 weights and see the same batches; the FP8 run converts the model's Linear layers with the chosen
 engine (default: fp8plug's embedded `native` engine) and trains under the context-aware FP8
@@ -17,7 +17,7 @@ import time
 import torch
 
 import fp8plug
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
 
 
 def train(model, batches, device, steps, lr, label):

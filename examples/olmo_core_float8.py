@@ -1,9 +1,9 @@
-"""Float8 training configured the OLMo-core way: `fp8plug.float8.Float8Config`.
+"""Float8 training configured the OLMo-core way: `fp8plug.integrations.float8.Float8Config`.
 
 OLMo-core describes float8 with a `Float8Config` (torchao Float8Linear settings `ao`, or a
 torchao recipe name `ao_recipe`, or MX formats `ao_mx`; at most one) and applies it with
 `Float8Config.apply_float8_linear(model, modules_to_ignore=...)`, in place, before compiling,
-activation checkpointing or FSDP wrapping. fp8plug.float8 offers the same names, served by the
+activation checkpointing or FSDP wrapping. fp8plug.integrations.float8 offers the same names, served by the
 torchao engine under fp8plug's conversion rules (and eval in high precision).
 
     python3 examples/olmo_core_float8.py                     # ao=AOFloat8LinearConfig(...), CPU or GPU
@@ -18,13 +18,13 @@ import json
 
 import torch
 
-from fp8plug.float8 import (
+from fp8plug.integrations.float8 import (
     AOFloat8LinearConfig,
     AOMXLinearConfig,
     Float8Config,
     precompute_float8_dynamic_scale_for_fsdp,
 )
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
 
 
 def float8_config(recipe: str) -> Float8Config:

@@ -5,7 +5,7 @@ The everyday Hugging Face recipe, unchanged but for one mixin: `FP8TrainerMixin`
 frozen weight gets no weight-gradient GEMM), the LoRA adapters train. At the end the model is
 exported to plain modules (`fp8plug.export_model`), the adapters merged (`merge_and_unload`),
 and two checkpoints written: the plain one (`save_pretrained`) and an FP8 one for inference
-servers (`fp8plug.export.save_fp8_checkpoint`).
+servers (`fp8plug.checkpoints.export.save_fp8_checkpoint`).
 
 The model is a LlamaForCausalLM from a small config and the tokenizer a word-level one built here
 (nothing is downloaded); the data are synthetic counting sequences as text. On a CPU it trains in
@@ -33,8 +33,8 @@ from trl import SFTConfig, SFTTrainer
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint
-from fp8plug.transformers import FP8TrainerMixin
+from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint
+from fp8plug.integrations.trainer import FP8TrainerMixin
 
 VOCAB = 128
 

@@ -1,13 +1,13 @@
-"""The torchao float8 README's two training loops, run on fp8plug through `fp8plug.float8`.
+"""The torchao float8 README's two training loops, run on fp8plug through `fp8plug.integrations.float8`.
 
 Code written for torchao's `torchao.float8` entry points runs with one import changed:
 
     from torchao.float8 import convert_to_float8_training          # before
-    from fp8plug.float8 import convert_to_float8_training          # after
+    from fp8plug.integrations.float8 import convert_to_float8_training          # after
 
 The config classes are fp8plug's own, named so as not to pass for torchao's: `Float8TrainingConfig`,
 `Float8CastConfig`, `Float8ScalingType` (the README's `Float8LinearConfig`, `CastConfig`,
-`ScalingType` still import from fp8plug.float8, with a DeprecationWarning).
+`ScalingType` still import from fp8plug.integrations.float8, with a DeprecationWarning).
 
 Dynamic scaling (every tensor scaled from its own amax) runs on torchao's Float8Linear (the `ao`
 engine). Delayed scaling (scales from a history of past amaxes), which torchao removed in 0.10,
@@ -26,7 +26,7 @@ import json
 import torch
 from torch import nn
 
-from fp8plug.float8 import (
+from fp8plug.integrations.float8 import (
     Float8CastConfig,
     Float8ScalingType,
     Float8TrainingConfig,

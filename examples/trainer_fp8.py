@@ -1,4 +1,4 @@
-"""Train a Hugging Face Llama with transformers.Trainer in FP8: fp8plug.transformers.FP8Trainer.
+"""Train a Hugging Face Llama with transformers.Trainer in FP8: fp8plug.integrations.trainer.FP8Trainer.
 
 The model is a LlamaForCausalLM with tied embeddings built from a small LlamaConfig (nothing is
 downloaded); the data are learnable synthetic sequences. On a CPU the defaults train it in a
@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from fp8plug import FP8RecipeKwargs
-from fp8plug.transformers import FP8Trainer
+from fp8plug.integrations.trainer import FP8Trainer
 
 
 def parse_args(argv=None):

@@ -1,19 +1,27 @@
 """fp8plug: one FP8 training plugin for PyTorch and Accelerate, whichever engine is installed.
 
 `import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass and the
-torchao/OLMo-core shaped entry points (fp8plug.float8) load on first use.
+torchao/OLMo-core shaped entry points (fp8plug.integrations.float8) load on first use.
 """
 
-from .autocast import apply_fp8_autowrap, contextual_fp8_autocast, remove_fp8_autowrap
-from .api import convert_model, has_fp8_layers, has_transformer_engine_layers, sync_fp8_scaling, unconvert_model
-from .backends import BackendUnavailableError, get_backend, select_backend
-from .convert import ConversionError, ConversionReport
-from .coverage import fp8_coverage
-from .recipe import FP8RecipeKwargs
+from fp8plug._old_paths import install_old_paths
+from fp8plug.autocast import apply_fp8_autowrap, contextual_fp8_autocast, remove_fp8_autowrap
+from fp8plug.api import (
+    convert_model,
+    has_fp8_layers,
+    has_transformer_engine_layers,
+    sync_fp8_scaling,
+    unconvert_model,
+)
+from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
+from fp8plug.layers.rules import ConversionError, ConversionReport
+from fp8plug.coverage import fp8_coverage
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 __version__ = "0.1.0"
 
-_LAZY = {"Accelerator": "fp8plug.accelerator", "float8": "fp8plug.float8"}
+_LAZY = {"Accelerator": "fp8plug.integrations.accelerator", "float8": "fp8plug.integrations.float8"}
+install_old_paths()
 
 
 def __getattr__(name):

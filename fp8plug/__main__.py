@@ -1,5 +1,5 @@
 """`python -m fp8plug env|bench`: the same as the `fp8plug` console script."""
 
-from .cli import main
+from fp8plug.cli import main
 
 raise SystemExit(main())

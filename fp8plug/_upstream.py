@@ -205,7 +205,7 @@ def trainer_builds_accelerator_with(factory):
     if not hasattr(trainer_module, "Accelerator"):
         raise RuntimeError(
             f"transformers {transformers.__version__}: transformers.trainer has no `Accelerator` to swap "
-            "for fp8plug's; this transformers version is not supported by fp8plug.transformers."
+            "for fp8plug's; this transformers version is not supported by fp8plug.integrations.trainer."
         )
     original = trainer_module.Accelerator
     trainer_module.Accelerator = factory

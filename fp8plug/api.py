@@ -7,15 +7,15 @@ from typing import Optional
 
 from torch import nn
 
-from .attention import restore_sdpa, skip_causal_mask
-from .backends import get_backend, select_backend
-from .backends.base import Engine
-from .convert import ConversionReport
-from .coverage import describe_engine, log_conversion, logger
-from .fp8_attention import use_fp8_attention
-from .plans import Plan, make_plan
-from .recipe import BACKENDS, FP8RecipeKwargs
-from .steps import end_step
+from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
+from fp8plug.backends import get_backend, select_backend
+from fp8plug.backends.base import Engine
+from fp8plug.layers.rules import ConversionReport
+from fp8plug.coverage import describe_engine, log_conversion, logger
+from fp8plug.hf.fp8_attention import use_fp8_attention
+from fp8plug.recipe.plans import Plan, make_plan
+from fp8plug.recipe.kwargs import BACKENDS, FP8RecipeKwargs
+from fp8plug.backends.steps import end_step
 
 
 def convert_model(
@@ -70,11 +70,11 @@ def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Engine)
 def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: bool = True,
                       norm: bool = True) -> ConversionReport:
     """The one conversion path (convert_model and fp8plug.Accelerator both take it): the engine
-    converts as its plan says (made once, at selection, by fp8plug.plans.make_plan: the recipe
+    converts as its plan says (made once, at selection, by fp8plug.recipe.plans.make_plan: the recipe
     checked, the automatic speed filter added where it applies), then one line is logged under
     the `fp8plug` logger (fp8plug.coverage). A transformers model on "sdpa" attention also gets
-    attention without a built causal mask where the plan says so (fp8plug.attention), and FP8
-    attention where it asks for it (`fp8_dpa`, fp8plug.fp8_attention)."""
+    attention without a built causal mask where the plan says so (fp8plug.hf.attention), and FP8
+    attention where it asks for it (`fp8_dpa`, fp8plug.hf.fp8_attention)."""
     report = engine.convert_layers(model, plan, linear=linear, norm=norm)
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     if plan.skip_causal_mask:
@@ -112,7 +112,7 @@ def sync_fp8_scaling(*models: nn.Module, group=None) -> None:
 
     fp8plug does this after every torch optimizer step by itself (fp8plug.Accelerator, Trainer
     and hand-written loops alike); call it only in a loop that has no torch optimizer, on every
-    rank alike (fp8plug.steps.end_step, the path every way of training takes)."""
+    rank alike (fp8plug.backends.steps.end_step, the path every way of training takes)."""
     end_step(models, loaded_engines(), group=group)
 
 

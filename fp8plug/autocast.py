@@ -14,10 +14,10 @@ from typing import Optional
 
 from torch import nn
 
-from .backends import get_backend, select_backend
-from .backends.base import Engine
-from .plans import Plan, make_plan
-from .recipe import FP8RecipeKwargs
+from fp8plug.backends import get_backend, select_backend
+from fp8plug.backends.base import Engine
+from fp8plug.recipe.plans import Plan, make_plan
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 _MARK = "_fp8plug_autocast"
 

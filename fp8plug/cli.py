@@ -1,6 +1,6 @@
 """The `fp8plug` command: `fp8plug env` (what can run here and what would be chosen),
 `fp8plug bench` (Linear speed per engine, see fp8plug.bench) and `fp8plug launch` (accelerate's
-launcher, taking FP8 as available where only fp8plug's native engine runs; fp8plug.launch)."""
+launcher, taking FP8 as available where only fp8plug's native engine runs; fp8plug.integrations.launch)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def env_report(device=None) -> str:
 
     import accelerate
 
-    from .backends import BackendUnavailableError, select_backend
-    from .hardware import device_info, parse_device
+    from fp8plug.backends import BackendUnavailableError, select_backend
+    from fp8plug.tuning.hardware import device_info, parse_device
 
     info = device_info(parse_device(device))
     lines = [
@@ -45,7 +45,7 @@ def env_report(device=None) -> str:
 def fp8_gemm_status(info) -> str:
     """How FP8 GEMMs run on the device and one FP8 GEMM's time against bf16's, measured now (a few
     milliseconds), or why they cannot run."""
-    from .fp8_gemm import fp8_gemm_speed
+    from fp8plug.backends.gemm import fp8_gemm_speed
 
     if not info.fp8_gemm:
         return "none on this device (FP8 GEMMs need CUDA compute capability 8.9+ or a CPU)"
@@ -58,8 +58,8 @@ def fp8_gemm_status(info) -> str:
 
 def auto_filter_status(backend: str, info) -> str:
     """Whether FP8RecipeKwargs' default speed filter would act for `backend` on this device."""
-    from .recipe import FP8RecipeKwargs
-    from .roofline import AUTO_MIN_SPEEDUP, auto_filter
+    from fp8plug.recipe.kwargs import FP8RecipeKwargs
+    from fp8plug.tuning.roofline import AUTO_MIN_SPEEDUP, auto_filter
 
     try:
         speed_filter = auto_filter(FP8RecipeKwargs(backend=backend), backend, info)
@@ -74,7 +74,7 @@ def auto_filter_status(backend: str, info) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # every argument after it is accelerate launch's
-        from .launch import main as launch_main
+        from fp8plug.integrations.launch import main as launch_main
 
         return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fp8plug", description="fp8plug: FP8 training for PyTorch and Accelerate")
@@ -85,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="accelerate launch, with FP8 available where only fp8plug's native engine runs "
                              "(`fp8plug launch --help`: accelerate launch's arguments)")
     bench = commands.add_parser("bench", help="time Linear forward+backward per engine against bf16")
-    from . import bench as bench_module
+    from fp8plug import bench as bench_module
 
     bench_module.add_arguments(bench)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ Why: an FP8 run can silently be a high-precision run (a layer an engine leaves a
 that turns FP8 off, an input the GEMM cannot take): nothing fails, the loss looks fine, and the
 speed-up is gone. So conversion logs one line saying how many Linear layers run in FP8 and why
 the others do not (`log_conversion`), and `fp8_coverage(model)` reads back the per-layer counts
-of FP8 and high-precision calls, which fp8plug.gemm_counts keeps (how they are counted, and why
+of FP8 and high-precision calls, which fp8plug.layers.gemm_counts keeps (how they are counted, and why
 that stays cheap under torch.compile, is written there).
 """
 
@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 from accelerate.state import PartialState
 
-from ._upstream import process_state_exists
-from .gemm_counts import COUNTS, fp8_coverage  # noqa: F401  (fp8plug.coverage.fp8_coverage is public)
+from fp8plug._upstream import process_state_exists
+from fp8plug.layers.gemm_counts import COUNTS, fp8_coverage  # noqa: F401  (fp8plug.coverage.fp8_coverage is public)
 
 logger = logging.getLogger("fp8plug")
 
@@ -38,7 +38,7 @@ def is_main_process() -> bool:
 
 def describe_engine(engine, plan=None) -> str:
     """'ao (torchao float8 0.18.0, tensorwise scaling)': the engine, its version and the scaling
-    of its plan (fp8plug.plans.Plan), where given."""
+    of its plan (fp8plug.recipe.plans.Plan), where given."""
     version = engine.probe().version
     details = [f"{engine.title}{f' {version}' if version else ''}"]
     scaling = plan.describe_scaling() if plan is not None else None

@@ -76,7 +76,7 @@ def fresh():
         # accelerate 1.15 picks no process-group backend on a machine without GPUs unless told
         # (cpu=True would turn DeepSpeed off); without one it counts a single process while
         # DeepSpeed runs two over gloo. fp8plug.Accelerator asks for gloo itself
-        # (fp8plug.deepspeed.join_cpu_processes); the plain bf16 reference needs it set here.
+        # (fp8plug.integrations.deepspeed_zero.join_cpu_processes); the plain bf16 reference needs it set here.
         from accelerate import PartialState
 
         PartialState(backend="gloo")
@@ -164,7 +164,7 @@ def prepare(args, accelerator, stage, seed, steps, zero_init=False):
 
 
 def batches(args, accelerator):
-    from fp8plug.models import synthetic_batches
+    from fp8plug.bench.toy_model import synthetic_batches
 
     world, rank = accelerator.num_processes, accelerator.process_index
     full = synthetic_batches(args.steps, args.batch * world, args.seq, args.vocab, seed=1)

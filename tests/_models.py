@@ -1,3 +1,3 @@
-"""Test models: re-exported from fp8plug.models so tests, examples and benchmarks share one."""
+"""Test models: re-exported from fp8plug.bench.toy_model so tests, examples and benchmarks share one."""
 
-from fp8plug.models import Block, DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: F401
+from fp8plug.bench.toy_model import Block, DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: F401

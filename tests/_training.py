@@ -9,11 +9,11 @@ import contextlib
 
 import torch
 
-from fp8plug.models import lm_loss
+from fp8plug.bench.toy_model import lm_loss
 
 
 def next_token_loss(model, tokens):
-    """fp8plug.models' decoders: next-token cross entropy on a batch of token ids."""
+    """fp8plug.bench.toy_model' decoders: next-token cross entropy on a batch of token ids."""
     return lm_loss(model(tokens), tokens)
 
 

@@ -11,10 +11,10 @@ from torch import nn
 
 import fp8plug
 from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
-from fp8plug.accelerator import _rebind_optimizers
-from fp8plug.backends.native import NativeEngine, NativeFP8Linear
-from fp8plug.checkpoint import install_plain_state_dict
-from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
+from fp8plug.integrations.accelerator import _rebind_optimizers
+from fp8plug.backends.native.engine import NativeEngine, NativeFP8Linear
+from fp8plug.checkpoints.state import install_plain_state_dict
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._hf import fresh
 from tests._training import train
 
@@ -390,7 +390,7 @@ def test_storage_view_for_fsdp2_parameter_mapping():
     # torchao's float8 all-gather weight has no storage of its own; accelerate's FSDP2 mapping by
     # data pointer needs the wrapped tensor (same storage) instead.
     torchao_float8 = pytest.importorskip("torchao.float8")
-    from fp8plug.accelerator import storage_view
+    from fp8plug.integrations.accelerator import storage_view
 
     model = nn.Sequential(nn.Linear(32, 32))
     storage = model[0].weight.data_ptr()

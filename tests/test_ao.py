@@ -19,7 +19,7 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa:
 
 import fp8plug  # noqa: E402
 from fp8plug import ConversionError, FP8RecipeKwargs  # noqa: E402
-from fp8plug import torchao_config  # noqa: E402
+from fp8plug.backends.ao import config as torchao_config  # noqa: E402
 from fp8plug.backends import get_backend, select_backend  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 
@@ -248,7 +248,7 @@ def test_float8_all_gather_weight_trains_without_fsdp_and_keeps_frozen(engine):
 
 
 def test_a_hand_written_loop_ends_each_step_for_the_models_its_optimizer_trains(engine, monkeypatch):
-    """fp8plug.steps' one global optimizer hook ends the step for the models an optimizer steps,
+    """fp8plug.backends.steps' one global optimizer hook ends the step for the models an optimizer steps,
     without an Accelerator: once per step, and not for a converted model it does not train."""
     calls = []
     monkeypatch.setattr(engine, "end_step", lambda models, group=None: calls.append(models))
@@ -426,7 +426,7 @@ def count_casts(monkeypatch):
     """Patch hp_tensor_to_float8_dynamic where torchao's Function and fp8plug's frozen-weight one
     look it up; returns the list of the roles cast, one entry per cast."""
     import torchao.float8.float8_linear as torchao_linear
-    from fp8plug.backends import _ao_frozen
+    from fp8plug.backends.ao import frozen as _ao_frozen
 
     casts, real = [], _ao_frozen.hp_tensor_to_float8_dynamic
 

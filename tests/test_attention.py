@@ -1,4 +1,4 @@
-"""fp8plug.attention on the CPU with the real transformers: a converted Llama's SDPA gets
+"""fp8plug.hf.attention on the CPU with the real transformers: a converted Llama's SDPA gets
 is_causal and no mask, compiled too, computes what "sdpa" computes, and still builds the mask
 wherever one is needed (a padding mask, position ids the caller passes, a KV cache, a sliding
 window); a failed forward leaves no state behind; the switch is undone for shipping.
@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
-from fp8plug.attention import FP8PLUG_SDPA, causal_or_sdpa_mask, skip_causal_mask  # noqa: E402
-from fp8plug.export import export_model  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_SDPA, causal_or_sdpa_mask, skip_causal_mask  # noqa: E402
+from fp8plug.checkpoints.export import export_model  # noqa: E402
 from tests._hf import VOCAB, tiny_llama  # noqa: E402
 
 SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
@@ -161,7 +161,7 @@ def test_conversion_switches_and_export_or_the_recipe_keeps_sdpa():
 
 
 def test_a_failed_forward_leaves_no_model_thinking_its_positions_are_its_own():
-    from fp8plug import attention
+    from fp8plug.hf import attention
 
     fast = llama(0)
     skip_causal_mask(fast)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8plug import bench
-from fp8plug.hardware import DeviceInfo
+from fp8plug.tuning.hardware import DeviceInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DeviceInfo("cpu", "test-cpu")
@@ -262,7 +262,7 @@ def test_a_delayed_case_runs_its_scaling_update_like_training():
     """The bench times what a training step does: with delayed scaling the end-of-step update
     runs after each backward, so the timed steps cast with the scales it sets (not the first
     step's fallback forever, which was what native:delayed had measured)."""
-    from fp8plug.backends.native import NativeFP8Linear
+    from fp8plug.backends.native.engine import NativeFP8Linear
     from fp8plug.bench.cases import EngineSpec, linear_case
 
     step, reset = linear_case(EngineSpec("native:delayed", "native", "delayed"), (32, 32, 32), "eager",
@@ -270,7 +270,7 @@ def test_a_delayed_case_runs_its_scaling_update_like_training():
     for _ in range(3):
         reset()
         step()
-    from fp8plug.backends import native
+    from fp8plug.backends.native import engine as native
 
     # the case's model is tracked for the end-of-step update like any converted model
     layers = [m for model in native._TRACKED for m in model.modules() if isinstance(m, NativeFP8Linear)]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fp8plug.checkpoint_dir import IncompleteCheckpointError
+from fp8plug.checkpoints.directory import IncompleteCheckpointError
 from tests._hf import fresh
 from tests._kill_save_worker import build, snapshot
 from tests._subprocess import ROOT, child_env

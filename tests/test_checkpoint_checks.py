@@ -9,7 +9,13 @@ from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.checkpoint_dir import FP8_STATE_NAME, MANIFEST_NAME, IncompleteCheckpointError, read_fp8_state, write_manifest
+from fp8plug.checkpoints.directory import (
+    FP8_STATE_NAME,
+    MANIFEST_NAME,
+    IncompleteCheckpointError,
+    read_fp8_state,
+    write_manifest,
+)
 from tests._hf import fresh
 from tests._kill_save_worker import snapshot, train
 from tests.test_checkpoint_atomic import equal

@@ -48,7 +48,7 @@ def test_demo_fp8_loss_within_ten_percent_of_bf16(capsys):
 
 def test_env_says_whether_the_speed_filter_acts(monkeypatch):
     from fp8plug.cli import auto_filter_status, env_report
-    from fp8plug.hardware import DeviceInfo
+    from fp8plug.tuning.hardware import DeviceInfo
 
     monkeypatch.delenv("FP8PLUG_AUTO_FILTER", raising=False)
     assert "auto_filter  off" in env_report("cpu")

@@ -10,8 +10,8 @@ from torch import nn
 
 import fp8plug
 from fp8plug import ConversionError, FP8RecipeKwargs
-from fp8plug.backends.native import NativeFP8Linear
-from fp8plug.models import DecoderConfig, TinyDecoder
+from fp8plug.backends.native.engine import NativeFP8Linear
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder
 
 
 class Net(nn.Module):
@@ -167,7 +167,7 @@ def test_convert_model_passes_the_linear_and_norm_choice_to_the_engine(monkeypat
     report = fp8plug.convert_model(model, _convert_ln=False, backend="native")
     assert report.converted == ["0"] and isinstance(model[0], NativeFP8Linear)
 
-    from fp8plug.backends.te import TEEngine
+    from fp8plug.backends.te.engine import TEEngine
 
     calls = []
     monkeypatch.setattr(TEEngine, "convert", lambda self, model, recipe, convert_linear=True, convert_norm=True:

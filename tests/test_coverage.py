@@ -40,7 +40,7 @@ def converted(model=None, **kwargs):
 
 
 def records(caplog, level):
-    """fp8plug's log lines at `level`, less the attention switch's (fp8plug.attention), which is
+    """fp8plug's log lines at `level`, less the attention switch's (fp8plug.hf.attention), which is
     logged once per model class and process, so whether it shows depends on the tests run before."""
     return [r.getMessage() for r in caplog.records
             if r.name == "fp8plug" and r.levelno == level and "attention through" not in r.getMessage()]

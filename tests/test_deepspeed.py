@@ -61,8 +61,8 @@ def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exact
 
 
 def test_msamp_is_refused_under_deepspeed_with_the_reason():
-    from fp8plug.backends.msamp import MSAMPEngine
-    from fp8plug.deepspeed import check_engine
+    from fp8plug.backends.msamp.engine import MSAMPEngine
+    from fp8plug.integrations.deepspeed_zero import check_engine
 
     plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 2}})
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), fp8_engine=MSAMPEngine())
@@ -73,7 +73,7 @@ def test_msamp_is_refused_under_deepspeed_with_the_reason():
 def test_fp16_deepspeed_config_is_refused_naming_fp8():
     from accelerate.utils import DeepSpeedPlugin
 
-    from fp8plug.deepspeed import clearer_init_errors
+    from fp8plug.integrations.deepspeed_zero import clearer_init_errors
 
     plugin = DeepSpeedPlugin(hf_ds_config={"fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
                                            "train_micro_batch_size_per_gpu": 1})
@@ -120,7 +120,7 @@ def test_launched_cpu_processes_are_joined_only_where_accelerate_would_not(monke
 
     from accelerate.utils import InitProcessGroupKwargs
 
-    from fp8plug.cpu_processes import join_cpu_processes
+    from fp8plug.integrations.cpu_processes import join_cpu_processes
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     handlers = []

@@ -141,18 +141,18 @@ def _undocumented(obj, where):
 
 
 def test_public_names_have_docstrings():
-    """Every name in fp8plug.__all__, and every public name fp8plug.float8 (with the config classes
-    of fp8plug.float8_training) and fp8plug.accelerator define, says what it is for (classes: their
+    """Every name in fp8plug.__all__, and every public name fp8plug.integrations.float8 (with the config classes
+    of fp8plug.integrations.float8_training) and fp8plug.integrations.accelerator define, says what it is for (classes: their
     public methods and properties too)."""
     import fp8plug
-    import fp8plug.accelerator
-    import fp8plug.float8
-    import fp8plug.float8_training
+    import fp8plug.integrations.accelerator
+    import fp8plug.integrations.float8
+    import fp8plug.integrations.float8_training
 
     missing = []
     for name in fp8plug.__all__:
         missing += _undocumented(getattr(fp8plug, name), f"fp8plug.{name}")
-    for module in (fp8plug.float8, fp8plug.float8_training, fp8plug.accelerator):
+    for module in (fp8plug.integrations.float8, fp8plug.integrations.float8_training, fp8plug.integrations.accelerator):
         for name, obj in vars(module).items():
             if not name.startswith("_") and getattr(obj, "__module__", None) == module.__name__:
                 missing += _undocumented(obj, f"{module.__name__}.{name}")

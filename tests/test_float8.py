@@ -1,4 +1,4 @@
-"""fp8plug.float8: OLMo-core's Float8Config / apply_float8_linear and the torchao seed's
+"""fp8plug.integrations.float8: OLMo-core's Float8Config / apply_float8_linear and the torchao seed's
 convert_to_float8_training (dynamic on torchao, delayed on the native engine), including the
 seed's two code examples run as written."""
 
@@ -17,8 +17,8 @@ import fp8plug  # noqa: E402
 from fp8plug import ConversionError  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.backends.base import Probe  # noqa: E402
-from fp8plug.backends.native import NativeFP8Linear  # noqa: E402
-from fp8plug.float8 import (  # noqa: E402
+from fp8plug.backends.native.engine import NativeFP8Linear  # noqa: E402
+from fp8plug.integrations.float8 import (
     AOFloat8LinearConfig,
     AOFloat8LinearRecipe,
     AOMXLinearConfig,
@@ -150,7 +150,7 @@ def test_mx_refuses_what_torchao_cannot_train():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated default applies where no GPU is visible")
 def test_mx_emulated_on_cpu_numerics_eval_and_unconvert():
-    from fp8plug.torchao_config import mx_support_problem
+    from fp8plug.backends.ao.config import mx_support_problem
 
     if mx_support_problem(emulated=True):
         pytest.skip(mx_support_problem(emulated=True))
@@ -275,15 +275,15 @@ def test_without_torchao_dynamic_falls_back_to_native(monkeypatch):
 
 
 # --- the seed's two examples, as written --------------------------------------------------------------------
-# Changes to the seed text: the import path (fp8plug.float8 for torchao.float8), indentation
+# Changes to the seed text: the import path (fp8plug.integrations.float8 for torchao.float8), indentation
 # restored, the FSDP line replaced by `model = m` (no process group here), an optimizer defined
 # before the loop, and the comma the seed's second example misses after
 # `enable_pre_and_post_forward=False`. The delayed example imports torchao's class names
-# (ScalingType, CastConfig, Float8LinearConfig), which fp8plug.float8 still answers, deprecated,
+# (ScalingType, CastConfig, Float8LinearConfig), which fp8plug.integrations.float8 still answers, deprecated,
 # with its renamed classes.
 
 SEED_DYNAMIC = '''
-from fp8plug.float8 import (
+from fp8plug.integrations.float8 import (
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
 )
@@ -326,7 +326,7 @@ for _ in range(N_ITER):
 '''
 
 SEED_DELAYED = '''
-from fp8plug.float8 import (
+from fp8plug.integrations.float8 import (
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
     ScalingType,
@@ -339,7 +339,7 @@ m = Model(...)
 # gated with config.enable_amax_init and
 # config.enable_pre_and_post_forward are needed for
 # autocast + compile + FSDP + float8 to work
-from fp8plug.float8 import Float8LinearConfig, ScalingType, CastConfig
+from fp8plug.integrations.float8 import Float8LinearConfig, ScalingType, CastConfig
 config = Float8LinearConfig(
     enable_amax_init=False,  # only needed for autocast + compile + FSDP + float8 delayed
     enable_pre_and_post_forward=False,  # only needed for autocast + compile + FSDP + float8 delayed

@@ -1,4 +1,4 @@
-"""fp8plug.float8's entry points take convert_model's one path (issue 26, item 4).
+"""fp8plug.integrations.float8's entry points take convert_model's one path (issue 26, item 4).
 
 Why: they used to hand torchao or native configs straight to the engines, so a Float8Config or a
 convert_to_float8_training call skipped the recipe check and the speed filter that every other
@@ -22,12 +22,12 @@ import torchao.float8  # noqa: E402
 
 import fp8plug  # noqa: E402
 import fp8plug.api  # noqa: E402
-import fp8plug.plans  # noqa: E402
-import fp8plug.float8 as float8  # noqa: E402
+import fp8plug.recipe.plans
+import fp8plug.integrations.float8 as float8
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.backends.base import Engine  # noqa: E402
-from fp8plug.float8 import (  # noqa: E402
+from fp8plug.integrations.float8 import (
     AOFloat8LinearConfig,
     DelayedScalingConfig,
     Float8CastConfig,
@@ -76,7 +76,7 @@ def test_each_entry_point_checks_the_recipe_filters_converts_and_logs(name, conv
                                                                      monkeypatch, caplog):
     """The engine makes its plan from the recipe (and refuses what it cannot do), the speed filter
     is asked, the engine converts with what it left, and one INFO line names the engine and the
-    scaling: convert_model's stops, in order (fp8plug.plans.make_plan, api.convert_with_plan)."""
+    scaling: convert_model's stops, in order (fp8plug.recipe.plans.make_plan, api.convert_with_plan)."""
     engine = get_backend(engine_name)
     stops = []
     make = engine.make_plan
@@ -86,7 +86,7 @@ def test_each_entry_point_checks_the_recipe_filters_converts_and_logs(name, conv
         stops.append(("filter", recipe))
         return lambda m, fqn: fqn != "w2"
 
-    monkeypatch.setattr(fp8plug.plans, "speed_filter", speed_filter)
+    monkeypatch.setattr(fp8plug.recipe.plans, "speed_filter", speed_filter)
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "true")  # the recipe asks for the filter, as convert_model reads it
     model = Model()
     with caplog.at_level(logging.INFO, logger="fp8plug"):
@@ -161,7 +161,7 @@ def test_launch_variables_do_not_change_what_a_float8_config_says(monkeypatch):
 
 
 def test_mxfp8_goes_through_the_recipe_too():
-    from fp8plug.torchao_config import mx_support_problem, mx_training_config
+    from fp8plug.backends.ao.config import mx_support_problem, mx_training_config
 
     if mx_support_problem(emulated=True):
         pytest.skip(mx_support_problem(emulated=True))
@@ -192,18 +192,18 @@ def test_no_engine_takes_a_config_of_its_own_beside_the_recipe():
 
 
 def test_no_fp8plug_class_answers_to_a_torchao_name():
-    """What fp8plug.float8 shares with torchao.float8 is the two functions it stands in for, which
+    """What fp8plug.integrations.float8 shares with torchao.float8 is the two functions it stands in for, which
     take the same arguments; its classes have names of their own. The old class names still
     import, as the renamed classes, with a DeprecationWarning naming the new one."""
     shared = set(float8.__all__) & set(dir(torchao.float8))
     assert shared == {"convert_to_float8_training", "precompute_float8_dynamic_scale_for_fsdp"}
     for old, new in (("ScalingType", Float8ScalingType), ("CastConfig", Float8CastConfig),
                      ("Float8LinearConfig", Float8TrainingConfig)):
-        with pytest.warns(DeprecationWarning, match=f"fp8plug.float8.{old} is deprecated.*fp8plug.float8.{new.__name__}"):
+        with pytest.warns(DeprecationWarning, match=f"fp8plug.integrations.float8.{old} is deprecated.*fp8plug.integrations.float8.{new.__name__}"):
             assert getattr(float8, old) is new
         assert getattr(torchao.float8, old) is not new
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from fp8plug.float8 import Float8TrainingConfig as current  # noqa: F401  (no warning for the new names)
+        from fp8plug.integrations.float8 import Float8TrainingConfig as current  # noqa: F401  (no warning for the new names)
     with pytest.raises(AttributeError):
         float8.NoSuchName  # noqa: B018

@@ -1,4 +1,4 @@
-"""FP8 attention (FP8RecipeKwargs.fp8_dpa, fp8plug.fp8_attention) on the CPU: the recipe field and
+"""FP8 attention (FP8RecipeKwargs.fp8_dpa, fp8plug.hf.fp8_attention) on the CPU: the recipe field and
 its environment, the switch to "fp8plug_fp8_dpa" and the way back, the fall-back to transformers'
 SDPA (exactly "sdpa"'s logits, eagerly and compiled), which call would take FP8 attention and why
 each other does not, and the warning where FP8 attention cannot run at all.
@@ -19,12 +19,15 @@ import torch
 pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
-from fp8plug import FP8RecipeKwargs, attention, fp8_attention  # noqa: E402
-from fp8plug.attention import FP8PLUG_FP8_DPA, FP8PLUG_SDPA  # noqa: E402
-from fp8plug.backends import _te_attention, get_backend  # noqa: E402
-from fp8plug.export import export_model  # noqa: E402
-from fp8plug.hardware import DeviceInfo  # noqa: E402
-from fp8plug.plans import Plan, make_plan  # noqa: E402
+from fp8plug import FP8RecipeKwargs
+from fp8plug.hf import attention
+from fp8plug.hf import fp8_attention  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_FP8_DPA, FP8PLUG_SDPA  # noqa: E402
+from fp8plug.backends import get_backend
+from fp8plug.backends.te import attention as _te_attention  # noqa: E402
+from fp8plug.checkpoints.export import export_model  # noqa: E402
+from fp8plug.tuning.hardware import DeviceInfo  # noqa: E402
+from fp8plug.recipe.plans import Plan, make_plan  # noqa: E402
 from tests.test_attention import compiled_attention_masks, ids, llama  # noqa: E402
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))

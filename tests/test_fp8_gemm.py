@@ -1,4 +1,4 @@
-"""The CPU's FP8 GEMM emulation (fp8plug.fp8_gemm) against torch's own CPU `torch._scaled_mm`.
+"""The CPU's FP8 GEMM emulation (fp8plug.backends.gemm) against torch's own CPU `torch._scaled_mm`.
 
 The emulation exists for speed (torch's CPU kernel took 1 s for a 512x128x512 GEMM on an AMX Xeon,
 docs/performance.md "FP8 on a CPU"), and must not change a single result: every check here is bit
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fp8plug
-from fp8plug import fp8_gemm
-from fp8plug.backends import native
+from fp8plug.backends import gemm as fp8_gemm
+from fp8plug.backends.native import engine as native
 
 FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 ENGINE = fp8plug.get_backend("native")

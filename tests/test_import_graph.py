@@ -85,8 +85,8 @@ def test_the_checker_finds_a_cycle():
 def test_the_graph_sees_relative_function_local_and_type_checking_imports():
     graph = import_graph()
     assert "fp8plug.backends.base" in graph["fp8plug.backends"]  # from .base import ...
-    assert "fp8plug.backends.native" not in graph["fp8plug.backends"]  # imported by name, at run time
-    assert "fp8plug.convert" in graph["fp8plug.backends.native"]  # from ..convert import ...
+    assert "fp8plug.backends.native.engine" not in graph["fp8plug.backends"]  # imported by name, at run time
+    assert "fp8plug.layers.rules" in graph["fp8plug.backends.native.engine"]  # from ..convert import ...
 
 
 def test_fp8plug_modules_import_one_another_without_a_cycle():

@@ -165,7 +165,7 @@ def test_cpu_configs_run_with_only_torch_accelerate_and_fp8plug(tmp_path, config
 def test_fp8plug_launch_says_why_when_no_fp8_can_run(monkeypatch):
     import accelerate.utils.launch as launch_utils
 
-    from fp8plug import launch
+    from fp8plug.integrations import launch
 
     monkeypatch.setattr(launch_utils, "is_fp8_available", lambda: False)
     monkeypatch.setattr(launch, "native_fp8_problem", lambda: "torch 2.0 has no float8 dtypes")

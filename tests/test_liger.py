@@ -1,4 +1,4 @@
-"""Liger kernels and FP8 conversion on the CPU (fp8plug.fused_heads, convert.plan_conversion).
+"""Liger kernels and FP8 conversion on the CPU (fp8plug.layers.fused_heads, convert.plan_conversion).
 
 Checked without liger-kernel (CI has no triton, so it cannot import it): a model whose forward is
 a function of the `liger_kernel` package, bound on the instance or on the class, or under a
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug.convert import ADAPTER, LIGER
-from fp8plug.fused_heads import liger_forward, liger_fused_heads
+from fp8plug.layers.rules import ADAPTER, LIGER
+from fp8plug.layers.fused_heads import liger_forward, liger_fused_heads
 from tests._hf import tiny_llama
 
 RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
@@ -208,7 +208,7 @@ def test_trl_fused_lm_head_is_reported_and_never_calls_lm_head():
     trl_utils = pytest.importorskip("trl.trainer.utils")
     if not hasattr(trl_utils, "add_fused_lm_head"):
         pytest.skip("this trl has no fused LM head")
-    from fp8plug.convert import TRL_FUSED
+    from fp8plug.layers.rules import TRL_FUSED
 
     model = tiny_llama()
     names = linears(model)

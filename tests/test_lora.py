@@ -19,9 +19,9 @@ import torch
 peft = pytest.importorskip("peft")
 
 import fp8plug  # noqa: E402
-from fp8plug.backends import native  # noqa: E402
-from fp8plug.convert import ADAPTER  # noqa: E402
-from fp8plug.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint  # noqa: E402
+from fp8plug.backends.native import engine as native  # noqa: E402
+from fp8plug.layers.rules import ADAPTER  # noqa: E402
+from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint  # noqa: E402
 from tests._hf import VOCAB, fresh, tiny_llama  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 

@@ -13,7 +13,7 @@ import fp8plug
 from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
 from fp8plug.backends import get_backend, select_backend
 from fp8plug.backends.base import Probe, quiet_import_noise
-from fp8plug.hardware import DeviceInfo
+from fp8plug.tuning.hardware import DeviceInfo
 from tests._subprocess import child_env
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from fp8plug.backends import judge
-from fp8plug.backends.msamp import MSAMPEngine, is_scaling_tensor
-from fp8plug.hardware import DeviceInfo
-from fp8plug.recipe import FP8RecipeKwargs
+from fp8plug.backends.msamp.engine import MSAMPEngine, is_scaling_tensor
+from fp8plug.tuning.hardware import DeviceInfo
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 FAKES = Path(__file__).parent / "fakes"
 

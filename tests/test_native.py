@@ -9,13 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8plug
-from fp8plug.backends.native import (
-    E4M3,
-    E5M2,
-    FP8_MAX,
-    NativeFP8Linear,
-    native_fp8_autocast,
-)
+from fp8plug.backends.native.engine import E4M3, E5M2, FP8_MAX, NativeFP8Linear, native_fp8_autocast
 from fp8plug import sync_fp8_scaling
 from tests._numerics import sqnr_db
 
@@ -308,7 +302,7 @@ def test_conversion_keeps_parameters_and_state_dict():
 def test_cpu_tensors_never_take_the_triton_cast():
     """The one-pass cast is for CUDA tensors only; on the CPU the layer casts with torch ops, and
     building the op where there is no GPU is a no-op, not an import of Triton."""
-    from fp8plug.backends import _fused_cast
+    from fp8plug.backends.native import fused_cast as _fused_cast
 
     ready = _fused_cast.load()
     assert ready == (torch.cuda.is_available() and _fused_cast._can_build())

@@ -1,4 +1,4 @@
-"""fp8plug.optim: low-precision Adam/AdamW states through torchao, opt-in through
+"""fp8plug.integrations.optim: low-precision Adam/AdamW states through torchao, opt-in through
 FP8RecipeKwargs.optimizer_states.
 
 torchao compiles its per-parameter step with torch.compile, one compile per parameter shape, which
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fp8plug.backends import get_backend
-from fp8plug.optim import convert_optimizer, optimizer_states_of, state_bytes
-from fp8plug.recipe import FP8RecipeKwargs
+from fp8plug.integrations.optim import convert_optimizer, optimizer_states_of, state_bytes
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 from tests._models import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._training import tail_mean, train
 

@@ -1,4 +1,4 @@
-"""The recipe -> plan contract (fp8plug.plans): each engine declares the recipe fields it honours and
+"""The recipe -> plan contract (fp8plug.recipe.plans): each engine declares the recipe fields it honours and
 turns a recipe into its own frozen plan once; the field it ignores is warned about once, in one
 wording, whatever the engine; no engine reads the recipe's explicitness or the environment."""
 
@@ -16,9 +16,9 @@ import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
 from fp8plug.backends.base import Engine
-from fp8plug.hardware import DeviceInfo
-from fp8plug.plans import SHARED, Plan, Settings, make_plan
-from fp8plug.recipe import BACKENDS, DEFAULTS, field_names
+from fp8plug.tuning.hardware import DeviceInfo
+from fp8plug.recipe.plans import SHARED, Plan, Settings, make_plan
+from fp8plug.recipe.kwargs import BACKENDS, DEFAULTS, field_names
 
 CPU = DeviceInfo("cpu", "cpu")
 BACKENDS_DIR = Path(fp8plug.__file__).resolve().parent / "backends"
@@ -147,7 +147,7 @@ def test_the_accelerator_keeps_one_plan_and_hands_it_on(monkeypatch):
 
 
 def test_no_engine_reads_explicitness_private_recipe_fields_or_the_environment():
-    """A source scan of fp8plug/backends: the recipe is read for an engine in fp8plug.plans only.
+    """A source scan of fp8plug/backends: the recipe is read for an engine in fp8plug.recipe.plans only.
     _te_import.py alone touches os.environ, for CUDNN_PATH (which cuDNN TransformerEngine loads:
     the process's libraries, not a recipe setting)."""
     found = []

@@ -1,4 +1,4 @@
-"""fp8plug.roofline: the cost model ranks FP8 against bf16, roofline_fit.calibrate() recovers known constants,
+"""fp8plug.tuning.roofline: the cost model ranks FP8 against bf16, roofline_fit.calibrate() recovers known constants,
 and the filter plugs into FP8RecipeKwargs.module_filter_fn."""
 
 import math
@@ -10,7 +10,7 @@ from torch import nn
 import fp8plug
 from fp8plug import FP8RecipeKwargs, get_backend
 from fp8plug.bench import SWEEP_SHAPES, write_json
-from fp8plug.roofline import (
+from fp8plug.tuning.roofline import (
     SM90,
     auto_filter,
     with_auto_filter,
@@ -20,7 +20,7 @@ from fp8plug.roofline import (
     predict_ms,
     predicted_speedup,
 )
-from fp8plug.roofline_fit import calibrate, load_bench, load_constants, save_constants
+from fp8plug.tuning.roofline_fit import calibrate, load_bench, load_constants, save_constants
 
 TOKENS = 16384
 
@@ -209,7 +209,7 @@ def test_bench_json_round_trip_and_constants_file(tmp_path):
 
 # --- the automatic filter (FP8RecipeKwargs.auto_filter) ---------------------------------------------
 
-from fp8plug.hardware import DeviceInfo  # noqa: E402
+from fp8plug.tuning.hardware import DeviceInfo  # noqa: E402
 
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
 ADA = DeviceInfo("cuda", "NVIDIA L4", (8, 9))

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs, sync_fp8_scaling
-from fp8plug.backends.native import NativeFP8Linear
+from fp8plug.backends.native.engine import NativeFP8Linear
 from tests._numerics import sqnr_db
 
 NATIVE = dict(backend="native", auto_filter=False)

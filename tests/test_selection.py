@@ -12,7 +12,7 @@ import pytest
 import fp8plug
 from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
 from fp8plug.backends.base import Probe, probe_import
-from fp8plug.hardware import DeviceInfo
+from fp8plug.tuning.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
@@ -153,7 +153,7 @@ def test_a_requested_engine_is_the_only_one_probed(monkeypatch):
 # --- the automatic choice ranked by measured speed (issue 15) ------------------------------------------
 
 def _h100():
-    from fp8plug.hardware import DeviceInfo
+    from fp8plug.tuning.hardware import DeviceInfo
 
     return DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
 
@@ -202,7 +202,7 @@ def test_ties_within_one_percent_and_unmeasured_engines_keep_the_automatic_order
 
 def test_without_an_fp8_gpu_the_old_order_stands():
     from fp8plug.backends import select_backend
-    from fp8plug.hardware import DeviceInfo
+    from fp8plug.tuning.hardware import DeviceInfo
 
     cpu = select_backend(None, DeviceInfo("cpu", "x86_64", None), compiled=True)
     assert cpu.mode is None and cpu.speed is None
@@ -213,7 +213,8 @@ def test_without_a_known_mode_the_choice_is_the_engine_fast_both_ways(monkeypatc
     """Issue 27: a loop that compiles the model itself after prepare gave the Accelerator no
     warning, and the eager favourite (TE, 14% behind when compiled) was chosen. Unknown mode:
     the engine whose slower mode is closest to that mode's fastest engine."""
-    from fp8plug import FP8RecipeKwargs, backends
+    from fp8plug import FP8RecipeKwargs
+    from fp8plug import backends
     from fp8plug.backends.base import Speed
 
     monkeypatch.setattr(backends._engine("te"), "measured", {"compiled": Speed(1.125), "eager": Speed(1.05)})
@@ -270,7 +271,7 @@ def test_a_trainer_with_torch_compile_tells_the_accelerator_it_compiles(tmp_path
     from accelerate.state import AcceleratorState
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-    from fp8plug.transformers import FP8Trainer
+    from fp8plug.integrations.trainer import FP8Trainer
 
     AcceleratorState._reset_state(True)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

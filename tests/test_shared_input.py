@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug.backends import _native_cast as native_cast
-from fp8plug.backends import native
-from fp8plug.backends._fused_norm import FusedRMSNorm
+from fp8plug.backends.native import cast as native_cast
+from fp8plug.backends.native import engine as native
+from fp8plug.backends.native.fused_norm import FusedRMSNorm
 from tests._hf import tiny_llama
 
 

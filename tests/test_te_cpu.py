@@ -15,13 +15,13 @@ from torch import nn
 
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
-from fp8plug.backends import _te_import as te_import
-from fp8plug.backends import _te_layers as te_layers
-from fp8plug.backends import _te_recipes as te_recipes
-from fp8plug.backends import te as te_engine
+from fp8plug.backends.te import imports as te_import
+from fp8plug.backends.te import layers as te_layers
+from fp8plug.backends.te import recipes as te_recipes
+from fp8plug.backends.te import engine as te_engine
 from fp8plug.backends.base import Engine
-from fp8plug.hardware import DeviceInfo
-from fp8plug.plans import make_plan
+from fp8plug.tuning.hardware import DeviceInfo
+from fp8plug.recipe.plans import make_plan
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 CPU = DeviceInfo("cpu", "cpu")
@@ -339,7 +339,7 @@ def test_plain_state_dict_drops_only_te_extra_state():
 
 
 def test_checkpoint_helpers_see_te_entries_as_the_engines():
-    from fp8plug.checkpoint import engine_keys
+    from fp8plug.checkpoints.state import engine_keys
 
     keys = ["a.weight", "a._extra_state", "b.bias"]
     assert engine_keys(keys, te_engine.TEEngine()) == {"a._extra_state"}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fp8plug.backends import _te_import as te_backend
+from fp8plug.backends.te import imports as te_backend
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""fp8plug.transformers: FP8Trainer and FP8TrainerMixin with the real transformers Trainer on the CPU.
+"""fp8plug.integrations.trainer: FP8Trainer and FP8TrainerMixin with the real transformers Trainer on the CPU.
 
 A tiny LlamaForCausalLM with tied embeddings (built from a config, no downloads) trains on
 learnable synthetic sequences. Checked: the Trainer's accelerator is fp8plug's and the Linears
@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.backends.native import NativeFP8Linear
-from fp8plug.transformers import FP8_STATE_NAME, FP8Trainer, FP8TrainerMixin
+from fp8plug.backends.native.engine import NativeFP8Linear
+from fp8plug.integrations.trainer import FP8_STATE_NAME, FP8Trainer, FP8TrainerMixin
 from tests._hf import VOCAB, fresh, tiny_llama
 from tests._subprocess import child_env
 

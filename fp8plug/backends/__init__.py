@@ -12,17 +12,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from .. import gemm_counts
-from ..hardware import DeviceInfo, device_info
-from ..recipe import BACKENDS, normalize_backend
-from .base import MEASURED_ON, Engine, BackendUnavailableError, Probe, Speed
+from fp8plug.layers import gemm_counts
+from fp8plug.tuning.hardware import DeviceInfo, device_info
+from fp8plug.recipe.kwargs import BACKENDS, normalize_backend
+from fp8plug.backends.base import MEASURED_ON, Engine, BackendUnavailableError, Probe, Speed
 
 # The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
 _MODULES = {
-    "msamp": "fp8plug.backends.msamp:MSAMPEngine",
-    "te": "fp8plug.backends.te:TEEngine",
-    "ao": "fp8plug.backends.ao:AOEngine",
-    "native": "fp8plug.backends.native:NativeEngine",
+    "msamp": "fp8plug.backends.msamp.engine:MSAMPEngine",
+    "te": "fp8plug.backends.te.engine:TEEngine",
+    "ao": "fp8plug.backends.ao.engine:AOEngine",
+    "native": "fp8plug.backends.native.engine:NativeEngine",
 }
 _INSTANCES: Dict[str, Engine] = {}
 _A = {"compiled": "a compiled", "eager": "an eager"}
@@ -50,7 +50,7 @@ def _engine(canonical: str) -> Engine:
 
 def _counting_engine(name: str) -> Optional[Engine]:
     """The engine named `name` where it says, per call, whether a converted Linear runs in FP8
-    (Engine.counts_gemms), else None: what a GEMM counter asks (fp8plug.gemm_counts)."""
+    (Engine.counts_gemms), else None: what a GEMM counter asks (fp8plug.layers.gemm_counts)."""
     engine = get_backend(name)
     return engine if engine.counts_gemms else None
 

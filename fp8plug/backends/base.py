@@ -2,11 +2,11 @@
 
 An engine is one class in one file (fp8plug/backends/<name>.py): it says whether it can run (and
 why not), declares the recipe fields it honours and turns them into its own frozen plan once
-(`make_plan`, through fp8plug.plans), converts a model's modules to its own and back with that
+(`make_plan`, through fp8plug.recipe.plans), converts a model's modules to its own and back with that
 plan, gives the autocast context its modules need, and may adapt the optimizer and the state
 dict. Everything outside fp8plug/backends/ talks to an engine only through the methods below;
 each has a default, so every engine answers every question. An engine file imports this module
-and shared helpers (fp8plug.convert, fp8plug.scaling, backends.padding, backends.region), never
+and shared helpers (fp8plug.layers.rules, fp8plug.backends.native.scaling, backends.padding, backends.region), never
 a sibling engine or the registry. Which modules to convert, the eval policy, checkpoints and the
 Accelerate wiring are shared and live outside the engines (docs/architecture.md).
 """
@@ -23,10 +23,10 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, 
 import torch
 from torch import nn
 
-from ..convert import ConversionReport
-from ..hardware import DeviceInfo
-from ..plans import Plan, Settings, default_acts_as, default_why, make_plan
-from ..recipe import FP8RecipeKwargs
+from fp8plug.layers.rules import ConversionReport
+from fp8plug.tuning.hardware import DeviceInfo
+from fp8plug.recipe.plans import Plan, Settings, default_acts_as, default_why, make_plan
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 
 class BackendUnavailableError(RuntimeError):
@@ -134,9 +134,9 @@ class Engine:
     clips_gradients: ClassVar[bool] = False
     # `runs_fp8` says per call whether a converted Linear runs FP8, so coverage counts GEMMs
     counts_gemms: ClassVar[bool] = False
-    # The recipe fields this engine reads (besides fp8plug.plans.SHARED), under every scaling and
+    # The recipe fields this engine reads (besides fp8plug.recipe.plans.SHARED), under every scaling and
     # under one scaling only: `make_plan` can read exactly these, and a field the user passes that
-    # is not among them is warned about (fp8plug.plans), so a new field needs no other edit.
+    # is not among them is warned about (fp8plug.recipe.plans), so a new field needs no other edit.
     honours: ClassVar[FrozenSet[str]] = frozenset()
     honours_by_scaling: ClassVar[Mapping[str, FrozenSet[str]]] = {}
     # the engine's plan: `make_plan` returns one, and what its methods take
@@ -190,20 +190,20 @@ class Engine:
         return default_acts_as(name)
 
     def why_ignored(self, name: str, scaling: str) -> str:
-        """The reason in the warning for a field this engine ignores (fp8plug.plans words it).
+        """The reason in the warning for a field this engine ignores (fp8plug.recipe.plans words it).
         Default: what the field applies to (recipe.APPLIES_TO)."""
         return default_why(self, name)
 
     def make_plan(self, settings: Settings) -> Plan:
-        """This engine's frozen plan from the fields it honours (`settings`, fp8plug.plans.Settings),
+        """This engine's frozen plan from the fields it honours (`settings`, fp8plug.recipe.plans.Settings),
         refusing with a ValueError naming the field what it cannot do; called once per selection by
-        fp8plug.plans.make_plan, which fills in the plan's shared part. Default: no settings of its
+        fp8plug.recipe.plans.make_plan, which fills in the plan's shared part. Default: no settings of its
         own."""
         return self.plan_class()
 
     def plan_of(self, plan) -> Plan:
         """`plan` as this engine's plan: its own plan as is; an FP8RecipeKwargs (or None: one from
-        the environment and the defaults) made into one (fp8plug.plans.make_plan, on the current
+        the environment and the defaults) made into one (fp8plug.recipe.plans.make_plan, on the current
         device). Where the engine's methods are called directly with a recipe, this is the one
         place it becomes a plan."""
         if isinstance(plan, self.plan_class):
@@ -284,8 +284,8 @@ class Engine:
         """Work due once per applied optimizer step, after the update, for `models` (every model
         this engine converted when the list is empty), with collectives over the ranks of `group`
         (all ranks when None): native's delayed scaling update, torchao's FSDP2 float8 all-gather
-        scales. Reached only through fp8plug.steps.end_step, once per step whatever runs the
-        loop; an engine with such work tracks the models it converts (fp8plug.steps.track).
+        scales. Reached only through fp8plug.backends.steps.end_step, once per step whatever runs the
+        loop; an engine with such work tracks the models it converts (fp8plug.backends.steps.track).
         Default: nothing."""
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
@@ -303,7 +303,7 @@ class Engine:
     def deepspeed_problem(self, stage: int, partitioned: bool) -> Optional[str]:
         """Why this engine cannot train under DeepSpeed ZeRO `stage` (with the model's weights
         already `partitioned` by deepspeed.zero.Init when True), or None where it can
-        (fp8plug.deepspeed turns the reason into the error)."""
+        (fp8plug.integrations.deepspeed_zero turns the reason into the error)."""
         return None
 
     # checkpoints --------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ class Engine:
 
     def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The engine's part of `plain_state_dict`: `state_dict` with its own entries dropped and
-        its own value types made plain (in any order; fp8plug.checkpoint also asks it which keys
+        its own value types made plain (in any order; fp8plug.checkpoints.state also asks it which keys
         are the engine's). Default: unchanged."""
         return state_dict
 

@@ -4,7 +4,7 @@ bf16 on the same machine.
 Why it exists: FP8 only pays where the GEMMs are big enough to outweigh the casts, and each engine
 pays a different price for its casts. This measures that price at the shapes you care about
 (default: the LLaMa-2-70B shapes used by torchao's benchmarks, M=16384 tokens), eager and
-compiled, so you can pick an engine and calibrate fp8plug.roofline's automatic layer filter.
+compiled, so you can pick an engine and calibrate fp8plug.tuning.roofline's automatic layer filter.
 
 Every number is the median of timed repeats after warm-up: CUDA events on a GPU, the wall clock
 on the CPU (where the default shapes are tiny: a smoke test, not a measurement). An engine that
@@ -21,13 +21,22 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .cases import (
-    BF16, CPU_SHAPES, GEMM_BOUND, LLAMA70B_SHAPES, MODES, SHAPE_PRESETS, SWEEP_SHAPES, BenchSkip, EngineSpec,
-    Shape, resolve_engines,
+from fp8plug.bench.cases import (
+    BF16,
+    CPU_SHAPES,
+    GEMM_BOUND,
+    LLAMA70B_SHAPES,
+    MODES,
+    SHAPE_PRESETS,
+    SWEEP_SHAPES,
+    BenchSkip,
+    EngineSpec,
+    Shape,
+    resolve_engines,
 )
-from .options import add_arguments, parse_modes, parse_shapes, settings
-from .report import CSV_COLUMNS, Progress, environment, format_table, write_csv, write_json
-from .timing import TIMINGS, Timer, add_speedups, flops_fwd_bwd, measure, merge_rounds
+from fp8plug.bench.options import add_arguments, parse_modes, parse_shapes, settings
+from fp8plug.bench.report import CSV_COLUMNS, Progress, environment, format_table, write_csv, write_json
+from fp8plug.bench.timing import TIMINGS, Timer, add_speedups, flops_fwd_bwd, measure, merge_rounds
 
 __all__ = [
     "BF16", "CPU_SHAPES", "CSV_COLUMNS", "GEMM_BOUND", "LLAMA70B_SHAPES", "MODES", "SHAPE_PRESETS", "SWEEP_SHAPES",
@@ -41,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark `args` describe, print the table, write --json / --csv.
 
     Returns 0 if at least one case was measured, 1 if none was, 2 for bad options."""
-    from ..hardware import device_info
+    from fp8plug.tuning.hardware import device_info
 
     try:
         device, shapes, modes, warmup, repeats = settings(args)

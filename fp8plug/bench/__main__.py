@@ -1,5 +1,5 @@
 """`python -m fp8plug.bench`: the same as `fp8plug bench`."""
 
-from . import main
+from fp8plug.bench import main
 
 raise SystemExit(main())

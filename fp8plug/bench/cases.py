@@ -20,7 +20,7 @@ LLAMA70B_SHAPES: List[Shape] = [
     (16384, 28672, 8192),
 ]
 CPU_SHAPES: List[Shape] = [(256, 256, 256)]
-# Shapes from memory- and overhead-bound to compute-bound: what fp8plug.roofline_fit.calibrate needs
+# Shapes from memory- and overhead-bound to compute-bound: what fp8plug.tuning.roofline_fit.calibrate needs
 # to pin down peak, bandwidth and overhead separately.
 SWEEP_SHAPES: List[Shape] = [
     (m, k, n)
@@ -58,8 +58,8 @@ def resolve_engines(text: Optional[str], device_info) -> Tuple[List[EngineSpec],
     `engine[:scaling]` and `fp8-gemm`. An engine named explicitly that cannot run here still gets
     rows, each with the reason, so the table says why it is missing.
     """
-    from ..backends import get_backend, judge
-    from ..recipe import BACKENDS, normalize_backend
+    from fp8plug.backends import get_backend, judge
+    from fp8plug.recipe.kwargs import BACKENDS, normalize_backend
 
     key = (text or "auto").strip().lower()
     specs: List[EngineSpec] = []
@@ -118,10 +118,10 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     model.train()
     autocast = engine = None
     if spec.backend is not None:
-        from ..backends import get_backend
-        from ..plans import make_plan
-        from ..recipe import FP8RecipeKwargs
-        from ..steps import end_step
+        from fp8plug.backends import get_backend
+        from fp8plug.recipe.plans import make_plan
+        from fp8plug.recipe.kwargs import FP8RecipeKwargs
+        from fp8plug.backends.steps import end_step
 
         engine = get_backend(spec.backend)
         plan = make_plan(engine, FP8RecipeKwargs(backend=spec.backend, scaling=spec.scaling), device)

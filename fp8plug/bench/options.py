@@ -10,9 +10,9 @@ from typing import List, Tuple
 
 import torch
 
-from ..hardware import parse_device
-from .cases import CPU_SHAPES, LLAMA70B_SHAPES, MODES, SHAPE_PRESETS, Shape
-from .timing import TIMINGS
+from fp8plug.tuning.hardware import parse_device
+from fp8plug.bench.cases import CPU_SHAPES, LLAMA70B_SHAPES, MODES, SHAPE_PRESETS, Shape
+from fp8plug.bench.timing import TIMINGS
 
 def parse_shapes(text: str) -> List[Shape]:
     """`MxKxN[,MxKxN...]` or a preset name (llama70b, tiny, sweep) -> [(M, K, N), ...].

@@ -11,7 +11,7 @@ from typing import List
 
 import torch
 
-from .cases import MODES
+from fp8plug.bench.cases import MODES
 
 CSV_COLUMNS = (
     "shape", "M", "K", "N", "mode", "engine", "backend", "scaling", "default_scaling",
@@ -83,7 +83,7 @@ def format_table(rows: List[dict]) -> str:
 
 def environment(device: torch.device, device_text: str) -> dict:
     """Who measured what, where: versions, device, date."""
-    from .. import __version__
+    from fp8plug import __version__
 
     meta = {
         "fp8plug": __version__,

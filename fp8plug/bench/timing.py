@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .cases import BF16, BenchSkip, EngineSpec, Shape, build_case
+from fp8plug.bench.cases import BF16, BenchSkip, EngineSpec, Shape, build_case
 
 TIMINGS = ("queued", "synced")
 
@@ -28,7 +28,7 @@ class Timer:
       queued  every repeat is enqueued behind a GPU sleep long enough for the CPU to enqueue them
               all, so each CUDA-event interval is the GPU's own time for one step. This is what a
               Linear costs inside a model whose host runs ahead of the GPU (compiled blocks,
-              large batches), and what fp8plug.roofline is calibrated on. The default.
+              large batches), and what fp8plug.tuning.roofline is calibrated on. The default.
       synced  each repeat is enqueued alone on an idle GPU, so its interval also holds the host's
               time to issue the step: what one Linear called by itself costs.
     """

@@ -5,7 +5,7 @@ skipped everywhere else (CI has no GPU). Run them on the lent H100/H200 with the
 import pytest
 import torch
 
-from fp8plug.backends.te import share_torch_cudnn
+from fp8plug.backends.te.engine import share_torch_cudnn
 
 # Test files import TransformerEngine directly; let it load torch's cuDNN, as fp8plug does.
 share_torch_cudnn()

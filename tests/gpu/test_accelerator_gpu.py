@@ -11,7 +11,7 @@ import torch
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._hf import fresh
 from tests._training import tail_mean, train
 from tests._subprocess import child_env

@@ -19,7 +19,7 @@ pytest.importorskip("torchao.float8")
 import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
-from fp8plug.models import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 from tests._training import adamw_tail_loss  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_odd_token_count_runs_fp8_padded_by_fp8plug_or_torchao():
 @pytest.mark.skipif(torch.cuda.get_device_capability() >= (10, 0) if torch.cuda.is_available() else True,
                     reason="Blackwell may run MXFP8 for real")
 def test_mxfp8_is_refused_clearly_below_sm100():
-    from fp8plug.float8 import AOMXLinearConfig, Float8Config
+    from fp8plug.integrations.float8 import AOMXLinearConfig, Float8Config
 
     model = nn.Sequential(nn.Linear(256, 256)).cuda()
     with pytest.raises(RuntimeError, match="MXFP8 training cannot run here"):

@@ -1,7 +1,7 @@
-"""fp8plug.attention on the GPU's stack (torch and transformers as installed there): a compiled
+"""fp8plug.hf.attention on the GPU's stack (torch and transformers as installed there): a compiled
 transformers Llama converted by fp8plug runs SDPA with is_causal and no mask, and its logits are
 those of "sdpa" run eagerly. What "sdpa" itself does when compiled is printed (on torch < 2.14
-transformers builds the mask: the reason for fp8plug.attention). The speed is
+transformers builds the mask: the reason for fp8plug.hf.attention). The speed is
 benchmarks/hf_llama.py's (bf16-skipmask and fp8plug-keepmask rows)."""
 
 import copy
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
-from fp8plug.attention import FP8PLUG_SDPA  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_SDPA  # noqa: E402
 from tests.test_attention import compiled_attention_masks  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""FP8 attention (FP8RecipeKwargs.fp8_dpa, fp8plug.fp8_attention) on a real Hopper GPU with
+"""FP8 attention (FP8RecipeKwargs.fp8_dpa, fp8plug.hf.fp8_attention) on a real Hopper GPU with
 TransformerEngine (written against TE 2.20.2, torch 2.11, transformers 5.17 on an H100):
 
 (a) one attention call against a float32 reference: the FP8 error of the output and of the three
@@ -26,11 +26,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("transformer_engine.pytorch")
 
 import fp8plug  # noqa: E402
-from fp8plug import FP8RecipeKwargs, fp8_attention  # noqa: E402
-from fp8plug.attention import FP8PLUG_FP8_DPA  # noqa: E402
-from fp8plug.backends._te_attention import fp8_attention_problem  # noqa: E402
-from fp8plug.models import synthetic_batches  # noqa: E402
-from fp8plug.plans import Plan  # noqa: E402
+from fp8plug import FP8RecipeKwargs
+from fp8plug.hf import fp8_attention  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_FP8_DPA  # noqa: E402
+from fp8plug.backends.te.attention import fp8_attention_problem  # noqa: E402
+from fp8plug.bench.toy_model import synthetic_batches  # noqa: E402
+from fp8plug.recipe.plans import Plan  # noqa: E402
 from tests._hf import fresh  # noqa: E402
 from tests._numerics import sqnr_db  # noqa: E402
 from tests._training import hf_loss, tail_mean, train  # noqa: E402

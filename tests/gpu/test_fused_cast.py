@@ -1,4 +1,4 @@
-"""The one-pass FP8 cast of delayed slots (fp8plug.backends._fused_cast) against the torch ops it
+"""The one-pass FP8 cast of delayed slots (fp8plug.backends.native.fused_cast) against the torch ops it
 replaces: the same FP8 bytes in both layouts, the same scale (the previous one once the slot has
 an update, the current amax's before), the same amax (NaN included), eager and compiled, and a
 NativeFP8Linear whose delayed slots take this path matching one that casts with torch ops."""
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug.backends import _fused_cast as fused_cast
-from fp8plug.backends.native import NativeFP8Linear
-from fp8plug.scaling import E4M3, E5M2, FP8_MAX, quantize, scale_from_amax
+from fp8plug.backends.native import fused_cast
+from fp8plug.backends.native.engine import NativeFP8Linear
+from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, quantize, scale_from_amax
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -97,7 +97,7 @@ def test_layer_on_the_fused_path_matches_the_torch_path(monkeypatch, scaling):
                    amax_compute_algo="most_recent", override_linear_precision=(False, False, False))
     fused = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
     plain = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
-    from fp8plug.backends import native
+    from fp8plug.backends.native import engine as native
 
     results = []
     for layer, use_fused in ((fused, True), (plain, False)):

@@ -9,9 +9,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8plug
-from fp8plug.backends import _fused_cast as fused_cast
-from fp8plug.backends import _fused_norm as fused_norm
-from fp8plug.backends._fused_norm import FusedRMSNorm
+from fp8plug.backends.native import fused_cast
+from fp8plug.backends.native import fused_norm
+from fp8plug.backends.native.fused_norm import FusedRMSNorm
 from tests._numerics import rel_error, sqnr_db
 
 F32, BF16 = torch.float32, torch.bfloat16

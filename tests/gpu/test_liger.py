@@ -24,7 +24,7 @@ LOSS_TOLERANCE = 0.02  # relative, FP8 vs bf16 after STEPS steps; the task's los
 
 def test_liger_llama_trains_in_fp8_with_lm_head_reported(monkeypatch):
     pytest.importorskip("liger_kernel.transformers")
-    from fp8plug.convert import LIGER
+    from fp8plug.layers.rules import LIGER
     from tests._liger import tail_mean, train_with_liger
 
     bf16 = train_with_liger(monkeypatch, SPEC, STEPS, fp8=False, device="cuda")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8plug
-from fp8plug.backends.native import NativeFP8Linear
-from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches
+from fp8plug.backends.native.engine import NativeFP8Linear
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches
 from tests._numerics import sqnr_db
 from tests._training import adamw_tail_loss
 

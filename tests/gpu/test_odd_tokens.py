@@ -32,7 +32,7 @@ def _te_available():
 
 
 def _block_ok():
-    from fp8plug.backends.te import scaling_hardware_problem
+    from fp8plug.backends.te.engine import scaling_hardware_problem
 
     return torch.cuda.is_available() and scaling_hardware_problem(
         "block", torch.cuda.get_device_capability(), torch.version.cuda) is None

@@ -20,7 +20,7 @@ from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs, sync_fp8_scaling
-from fp8plug.backends.native import NativeFP8Linear
+from fp8plug.backends.native.engine import NativeFP8Linear
 from tests._numerics import sqnr_db
 from tests.test_scaling_faults import free_port, rel_error
 

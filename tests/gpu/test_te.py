@@ -18,8 +18,8 @@ from transformer_engine.common import recipe as te_recipes  # noqa: E402
 import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
-from fp8plug.backends import te as te_engine  # noqa: E402
-from fp8plug.models import DecoderConfig, TinyDecoder, synthetic_batches  # noqa: E402
+from fp8plug.backends.te import engine as te_engine  # noqa: E402
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches  # noqa: E402
 from tests._numerics import rel_error  # noqa: E402
 from tests._training import adamw_tail_loss, tail_mean, train  # noqa: E402
 

@@ -56,7 +56,7 @@ def test_fp8_trainer_one_gpu(tmp_path, backend):
 @pytest.mark.parametrize("backend", ENGINES)
 def test_resume_from_checkpoint_on_gpu(tmp_path, backend):
     from fp8plug import FP8RecipeKwargs
-    from fp8plug.transformers import FP8Trainer
+    from fp8plug.integrations.trainer import FP8Trainer
     from tests.test_trainer import Counting, arguments, losses, tiny_llama
 
     def run(out, resume=None):

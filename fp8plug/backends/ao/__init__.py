@@ -1,0 +1,1 @@
+"""The `ao` engine: torchao float8 training."""

@@ -1,0 +1,1 @@
+"""The `msamp` engine: Microsoft MS-AMP."""

@@ -1,0 +1,1 @@
+"""The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch."""

@@ -1,0 +1,468 @@
+"""The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
+
+Eagerly on CUDA it also takes over transformers' Llama-style RMSNorms, running each as one
+Triton kernel a direction that hands its output's amax to the cast that follows
+(backends._fused_norm), and casts an input several layers read (q/k/v, gate/up) once for all of
+them (backends._shared_input): what the compiler does by itself under torch.compile.
+
+Per-tensor scaling, dynamic (scale from the tensor's own amax) or delayed with TransformerEngine's
+DelayedScaling semantics (fp8plug.backends.native.scaling): an amax history per tensor (input, weight,
+grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
+every `interval` steps, and amaxes reduced across data-parallel ranks once per optimizer step so
+every rank casts with one scale. The three GEMMs (fprop, dgrad, wgrad) go through
+`torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU (fp8plug.backends.gemm); forward
+saves the FP8 copies of input and weight for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
+the state dict keeps the plain Linear's keys. The forward is branch-free tensor code, so it
+compiles with fullgraph=True.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8plug.layers.rules import (
+    ALIGNMENT,
+    ConversionReport,
+    ignore_in_ddp,
+    linear_alignment_problem,
+    plain_linear,
+    plan_conversion,
+    replace_module,
+    swap_modules,
+)
+from fp8plug.backends.gemm import scaled_mm, writable_dtype
+from fp8plug.recipe.plans import DelayedScalingPlan, Settings
+from fp8plug.recipe.kwargs import DEFAULTS
+from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
+from fp8plug.backends.native import fused_cast
+from fp8plug.backends.native import fused_norm
+from fp8plug.backends.native import shared_input
+from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
+from fp8plug.backends.native.steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
+from fp8plug.backends.base import Engine, Probe, Speed
+from fp8plug.backends.padding import pad_tokens, token_count
+from fp8plug.backends.region import fp8_now, fp8_region
+
+native_fp8_autocast = fp8_region  # the native engine's autocast: the shared FP8 region
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+# The scaling state of a NativeFP8Linear, all non-persistent buffers (the state dict stays the
+# plain Linear's); fp8plug's checkpoint helpers carry them beside the weights.
+STATE_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_amax_recorded")
+
+
+# --- the FP8 linear ------------------------------------------------------------------------------------
+
+
+def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum):
+    """a @ b from FP8 operands and their inverse scales (what _cast returns: the factor back to
+    real values, which is what the GEMM takes)."""
+    return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, use_fast_accum=fast_accum)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """What _FP8Linear needs besides tensors, by name: the GEMMs' output dtype, grad_output's FP8
+    dtype, which GEMMs run in high precision (`override`: fprop, dgrad, wgrad), grad_output's
+    scaling mode ("delayed" or "dynamic") and the margin of its scale. Frozen, so torch.compile
+    treats it as a constant of the graph, as it did the tuple it replaces."""
+
+    out_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    override: Tuple[bool, bool, bool]
+    grad_mode: str
+    margin: int
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x @ w.T with FP8 operands; backward GEMMs in FP8 too unless overridden.
+
+    Forward is given x and w already cast (as is and transposed, by `_cast`) and saves only the
+    transposed copies backward needs. A frozen weight (LoRA's base layers) gets no gradient: its
+    layer's input comes without the transposed copy (x_t None), and backward runs neither the
+    weight-gradient GEMM nor grad_output's transposed cast; likewise an input that needs no
+    gradient (the first layer's) gets no input-gradient GEMM. `grad_record` is the module's
+    recorded grad_output amax. It is kept on ctx rather than saved with save_for_backward: several calls of one layer before one
+    backward all write into it, and a saved tensor written in place would fail autograd's version
+    check."""
+
+    @staticmethod
+    def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config: GemmConfig):
+        x_fp8, x_t, x_inv = x_cast
+        w_fp8, w_t, w_inv = w_cast
+        override = config.override
+        if override[0]:
+            out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
+        else:
+            out = _scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, config.out_dtype, True)
+        high = (x, weight) if override[1] or override[2] else ()
+        ctx.save_for_backward(x_t, w_t, x_inv, w_inv, grad_scale, *high)
+        ctx.grad_record = grad_record
+        ctx.config = config
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        config: GemmConfig = ctx.config
+        out_dtype, override = config.out_dtype, config.override
+        x_t, w_t, x_inv, w_inv, grad_scale, *high = ctx.saved_tensors
+        if not torch.compiler.is_compiling():
+            shared_input.forget()  # forward's kept input cast: backward never reads its row-major copy
+        # delayed: the scale set at the end of the last step (grad_scale > 0); before the first,
+        # the current amax's
+        delayed = config.grad_mode == "delayed"
+        g_fp8, g_t, g_inv, g_amax = _cast(grad_out, config.bwd_dtype, delayed, grad_scale,
+                                             grad_scale > 0 if delayed else None, config.margin,
+                                             transposed=ctx.needs_input_grad[1])
+        if ctx.grad_record is not None:
+            record_amax(ctx.grad_record, g_amax)
+        x_dtype, w_dtype = ctx.dtypes
+        if not ctx.needs_input_grad[0]:
+            grad_x = None
+        elif override[1]:
+            grad_x = grad_out.to(out_dtype) @ high[1].to(out_dtype)
+        else:
+            # eagerly in the input's own dtype (an fp32 residual stream under autocast), saving a copy
+            # kernel; compiled, the compiler folds that conversion into the kernel reading the gradient
+            dgrad_dtype = out_dtype if torch.compiler.is_compiling() else writable_dtype(x_dtype, out_dtype)
+            grad_x = _scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, dgrad_dtype, False)
+        if not ctx.needs_input_grad[1]:
+            grad_w = None
+        elif override[2]:
+            grad_w = grad_out.to(out_dtype).t() @ high[0].to(out_dtype)
+        else:  # written in the weight's own dtype (fp32 master weights): no extra cast pass over it
+            grad_w = _scaled_mm(g_t, x_t.t(), g_inv, x_inv, writable_dtype(w_dtype, out_dtype), False)
+        grad_x = None if grad_x is None else grad_x.to(x_dtype)
+        grad_w = None if grad_w is None else grad_w.to(w_dtype)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+class NativeFP8Linear(nn.Linear):
+    """An nn.Linear whose GEMMs run in FP8 with per-tensor scaling.
+
+    It keeps nn.Linear's parameters (the very same Parameter objects when converted, so optimizers
+    stay valid) and state-dict keys. FP8 runs in training mode, or as an enclosing
+    `native_fp8_autocast` says; otherwise the layer runs in high precision. Any token count runs
+    in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
+
+    Delayed scaling (fp8plug.backends.native.scaling): during a step the layer records amaxes and casts with the
+    scales set at the end of the previous step; the end of every optimizer step
+    (NativeEngine.end_step, through fp8plug.backends.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
+    first update it scales from the current amax, so the first step cannot overflow.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, scaling="delayed",
+                 fp8_format="HYBRID", margin=0, interval=1, amax_history_len=1024,
+                 amax_compute_algo="most_recent", override_linear_precision=(False, False, False),
+                 reduce_amax=True):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup_fp8(scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
+                        override_linear_precision, reduce_amax)
+
+    def _setup_fp8(self, scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
+                   override_linear_precision, reduce_amax=True):
+        # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes.
+        modes = (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
+        if len(modes) != 3 or any(mode not in ("delayed", "dynamic") for mode in modes):
+            raise ValueError(
+                f"NativeFP8Linear: scaling {scaling!r} is not 'delayed' or 'dynamic', nor a tuple of "
+                "three of them (input, weight, grad_output)."
+            )
+        self.scaling = scaling if isinstance(scaling, str) else modes
+        self.scaling_modes = modes
+        self.delayed_slots = tuple(mode == "delayed" for mode in modes)  # (input, weight, grad_output)
+        self.delayed = any(self.delayed_slots)
+        self.fp8_format = fp8_format
+        self.fwd_dtype = E4M3
+        self.bwd_dtype = E5M2 if fp8_format == "HYBRID" else E4M3
+        self.margin = int(margin)
+        self.interval = int(interval)
+        self.amax_compute_algo = amax_compute_algo
+        self.override_linear_precision = tuple(override_linear_precision)
+        self.reduce_amax = bool(reduce_amax)
+        self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
+        if self.delayed:
+            track_for_sync(self, _direct_layers_engine())  # a layer built directly is synced like a converted model
+        fused_cast.load()  # the eager CUDA cast, built here: never inside torch.compile
+
+    def _fresh_fp8_state(self, length: int, device) -> None:
+        """(Re)make the scaling buffers as a new layer has them: no history, scale 1, no update
+        yet, nothing recorded."""
+        self.register_buffer("fp8_amax_history", torch.zeros(length, 3, device=device), persistent=False)
+        self.register_buffer("fp8_scale", torch.ones(3, device=device), persistent=False)
+        self.register_buffer("fp8_step", torch.zeros(3, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("fp8_amax_recorded", torch.full((3,), NOT_RECORDED, device=device), persistent=False)
+
+    def materialise_fp8_state(self) -> None:
+        """Give a layer converted on the meta device real scaling state once its weight is real.
+
+        Large models are built on `meta`, converted, and only then given memory: `to_empty()`
+        (handled in `_apply`) or weights assigned one by one (`load_state_dict(assign=True)`,
+        accelerate's `init_empty_weights` + `set_module_tensor_to_device`, transformers'
+        low-memory loading), which leaves these non-persistent buffers on `meta`. Called before
+        anything reads the state (forward, the end-of-step update, fp8_state); a no-op otherwise,
+        and a static check under torch.compile."""
+        if self.fp8_scale.is_meta and not self.weight.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.weight.device)
+
+    def delayed_settings(self) -> DelayedSettings:
+        fp8_max = (FP8_MAX[self.fwd_dtype], FP8_MAX[self.fwd_dtype], FP8_MAX[self.bwd_dtype])
+        return DelayedSettings(fp8_max, self.margin, self.interval, self.amax_compute_algo)
+
+    def _apply(self, fn, recurse=True):
+        """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
+        scales and amaxes must not be rounded, and `_scaled_mm` takes float32 scales only. State
+        coming off the meta device (`to_empty()`) is whatever memory held: it starts afresh."""
+        kept = {name: self._buffers[name] for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_recorded")}
+        was_meta = self.fp8_scale.is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not self.fp8_scale.is_meta:
+            self._fresh_fp8_state(self.fp8_amax_history.shape[0], self.fp8_scale.device)
+            return self
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32:
+                self._buffers[name] = before.to(device=after.device)
+        return self
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **fp8_options) -> "NativeFP8Linear":
+        """Wrap an existing nn.Linear, sharing its Parameter objects."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._setup_fp8(**fp8_options)
+        return new
+
+    def fp8_active(self) -> bool:
+        return fp8_now(self.training)
+
+    def runs_fp8(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` runs its GEMMs in FP8 (the test `forward` makes)."""
+        return (self.fp8_active() and token_count(x) > 0 and not x.shape[-1] % ALIGNMENT
+                and not self.out_features % ALIGNMENT)
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.materialise_fp8_state()
+        if not self.runs_fp8(x):
+            return super().forward(x)
+        # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
+        return pad_tokens(self._fp8_forward, x, ALIGNMENT)
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        # the input's transposed copy feeds only the weight gradient: none for a frozen weight
+        wgrad = self.weight.requires_grad and torch.is_grad_enabled()
+        *x_cast, x_amax = self._cast_operand(INPUT, x2, transposed=wgrad, source=x)
+        *w_cast, w_amax = self._cast_operand(WEIGHT, self.weight)
+        grad_record = None
+        if self.delayed and self.training:  # only delayed tensors keep a history
+            delayed = self.delayed_slots
+            with torch.no_grad():
+                if delayed[INPUT] and delayed[WEIGHT]:
+                    record_amax(self.fp8_amax_recorded[:2], torch.stack([x_amax, w_amax]))
+                elif delayed[INPUT] or delayed[WEIGHT]:
+                    slot, amax = (INPUT, x_amax) if delayed[INPUT] else (WEIGHT, w_amax)
+                    record_amax(self.fp8_amax_recorded[slot], amax)
+            if delayed[GRAD_OUTPUT]:
+                grad_record = self.fp8_amax_recorded[GRAD_OUTPUT:]
+        grad_mode = self.scaling_modes[GRAD_OUTPUT]
+        grad_scale = self.fp8_scale[GRAD_OUTPUT]
+        if grad_mode == "delayed":  # 0 until the slot's first update: backward then uses the current amax
+            grad_scale = torch.where(self.fp8_step[GRAD_OUTPUT] > 0, grad_scale, torch.zeros_like(grad_scale))
+        out_dtype = self._out_dtype(x)
+        config = GemmConfig(out_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
+        out = _FP8Linear.apply(x2, self.weight, tuple(x_cast), tuple(w_cast), grad_scale, grad_record, config)
+        if self.bias is not None:
+            out = out + self.bias.to(out_dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _cast_operand(self, slot: int, t: torch.Tensor, transposed: bool = True, source=None):
+        """(FP8, transposed FP8 or None, scale, amax) of forward operand `slot` (INPUT or WEIGHT):
+        scaled by its own amax (dynamic, or delayed before the slot's first update), else by the
+        scale set at the end of the last step. `source`: as _cast's."""
+        delayed = self.delayed_slots[slot]
+        return _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot], self.fp8_step[slot] > 0 if delayed else None,
+                     self.margin, transposed, source)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, scaling={self.scaling}, format={self.fp8_format}, "
+                f"history={self.fp8_amax_history.shape[0]}")
+
+
+# --- the engine --------------------------------------------------------------------------------------
+
+
+_DIRECT = []  # the engine directly built layers are tracked under, made on first use
+
+
+def _direct_layers_engine() -> "NativeEngine":
+    if not _DIRECT:
+        _DIRECT.append(NativeEngine())
+    return _DIRECT[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativePlan(DelayedScalingPlan):
+    """What NativeFP8Linear is built with (besides the shared Plan): the FP8 format, delayed
+    scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
+    whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
+    weight, grad_output), where the recipe's `scaling` gave one mode per tensor, replaces the one
+    `scaling` for all three. Defaults: FP8RecipeKwargs'."""
+
+    fp8_format: str = DEFAULTS["fp8_format"]
+    tensor_scalings: Optional[Tuple[str, str, str]] = None
+
+    def describe_scaling(self) -> str:
+        return "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
+
+    def layer_options(self) -> dict:
+        """NativeFP8Linear's keyword options."""
+        return dict(
+            scaling=self.tensor_scalings or self.scaling or NativeEngine.scalings[0], fp8_format=self.fp8_format,
+            margin=self.margin, interval=self.interval, amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo, override_linear_precision=self.override_linear_precision,
+            reduce_amax=self.reduce_amax,
+        )
+
+
+DELAYED_FIELDS = frozenset({"margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
+
+
+class NativeEngine(Engine):
+    """fp8plug's own engine: always importable, runs on the CPU and on CUDA sm_89+."""
+
+    name = "native"
+    title = "fp8plug native (torch._scaled_mm)"
+    install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
+    runs_on_cpu = True
+    scalings = ("delayed", "dynamic")
+    counts_gemms = True
+    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
+    honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
+    plan_class = NativePlan
+    # The Hugging Face Llama of benchmarks/hf_llama.py on an H100, against bf16 compiled: compiled
+    # 1.45x (session 12), dynamic tying delayed and reaching its first step sooner; eager 1.22x
+    # (session 14: 1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x in that call),
+    # dynamic, whose casts of a shared input are made once and take the fused norms' amax, which
+    # delayed scaling's per-layer scales cannot
+    measured = {"compiled": Speed(1.45, "dynamic"), "eager": Speed(1.22, "dynamic")}
+
+    def probe(self) -> Probe:
+        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            return Probe(False, reason=f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes")
+        return Probe(True, version=f"torch {torch.__version__}")
+
+    def scaling_name(self, scaling) -> str:
+        """The scaling that decides which recipe fields apply: a mode per tensor (input, weight,
+        grad_output; a recipe's `scaling` may be such a tuple, as fp8plug.integrations.float8's torchao-shaped
+        configs give it) counts as delayed where any tensor is, else dynamic."""
+        if isinstance(scaling, tuple) and len(scaling) == 3 and all(mode in self.scalings for mode in scaling):
+            return "delayed" if "delayed" in scaling else "dynamic"
+        return super().scaling_name(scaling)
+
+    def make_plan(self, settings: Settings) -> NativePlan:
+        delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & DELAYED_FIELDS}
+        given = settings.values["scaling"]  # the recipe's own value: a tuple gives one mode per tensor
+        return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
+                          tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
+
+    def convert(self, model: nn.Module, plan) -> ConversionReport:
+        """Linear layers and transformers' Llama-style RMSNorms, whose fused kernels hand their
+        output's amax to the cast of the layers reading it (backends._fused_norm)."""
+        return self._convert(model, plan)
+
+    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """`convert`, limited to Linear layers (`linear`) and the norms (`norm`)."""
+        if linear and norm:
+            return self.convert(model, plan)
+        return self._convert(model, plan, linear, norm)
+
+    def _convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        plan = self.plan_of(plan)
+        options = plan.layer_options()
+        norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()
+        eligible = dict.fromkeys(norms, fused_norm.norm_problem)
+        if linear:
+            eligible[nn.Linear] = linear_alignment_problem
+        if not eligible:
+            return ConversionReport(self.name)
+        targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
+                                          plan.module_filter_fn, unfiltered=norms)
+        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options)
+                              if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
+        # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
+        # (the scales are identical on every rank anyway once reduced).
+        linears = set(report.linears)
+        ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
+        track_for_sync(model, self)
+        return report
+
+    def unconvert(self, model: nn.Module) -> nn.Module:
+        for fqn, module in list(model.named_modules()):
+            if isinstance(module, NativeFP8Linear):
+                replace_module(model, fqn, plain_linear(module, module.weight, module.bias))
+            elif isinstance(module, fused_norm.FusedRMSNorm):
+                replace_module(model, fqn, module.unfused())
+        return model
+
+    def is_converted(self, module: nn.Module) -> bool:
+        return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm))
+
+    def autocast(self, plan=None, enabled: bool = True):
+        return fp8_region(enabled)
+
+    def runs_fp8(self, module: nn.Module, input) -> bool:
+        return isinstance(input, torch.Tensor) and module.runs_fp8(input)
+
+    def end_step(self, models, group=None) -> None:
+        """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated."""
+        sync_delayed_scaling(models, group=group)
+
+    def fp8_state(self, model: nn.Module) -> dict:
+        """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
+        modules = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)]
+        for _, module in modules:
+            module.materialise_fp8_state()
+        return {fqn: {name: getattr(module, name).detach().cpu().clone() for name in STATE_BUFFERS}
+                for fqn, module in modules}
+
+    def load_fp8_state(self, model: nn.Module, state: dict) -> None:
+        modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)}
+        if set(modules) != set(state):
+            raise ValueError(
+                "native FP8 state: the checkpoint's converted modules "
+                f"{sorted(set(state) - set(modules))} are not in this model and this model's "
+                f"{sorted(set(modules) - set(state))} are not in the checkpoint; convert the model "
+                "with the same recipe (modules_to_ignore, module_filter_fn) as when it was saved."
+            )
+        for fqn, buffers in state.items():
+            module = modules[fqn]
+            module.materialise_fp8_state()
+            for name in STATE_BUFFERS:
+                target = getattr(module, name)
+                saved = buffers.get(name)
+                if saved is None and name == "fp8_amax_recorded":  # saved before fp8plug recorded amaxes
+                    saved = torch.full_like(target, NOT_RECORDED)
+                if saved is None or target.shape != saved.shape:
+                    found = "is missing" if saved is None else f"has shape {tuple(saved.shape)}"
+                    raise ValueError(
+                        f"native FP8 state: {fqn}.{name} {found} in the checkpoint but has shape "
+                        f"{tuple(target.shape)} here; use the same amax_history_len and scaling "
+                        "as when it was saved."
+                    )
+                target.copy_(saved)

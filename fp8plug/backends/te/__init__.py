@@ -1,0 +1,1 @@
+"""The `te` engine: NVIDIA TransformerEngine."""

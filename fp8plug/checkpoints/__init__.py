@@ -1,0 +1,1 @@
+"""Checkpoints and exports: plain state dicts, FP8 state, whole directories, hand-off."""

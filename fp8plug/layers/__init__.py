@@ -1,0 +1,1 @@
+"""Which modules convert, and what every converted layer carries, for every engine."""

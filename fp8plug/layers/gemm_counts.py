@@ -1,0 +1,170 @@
+"""Per-layer GEMM counters: which calls of each converted Linear ran in FP8 and which did not.
+
+Why: an FP8 run can silently be a high-precision run. A layer an engine leaves alone, a region
+that turns FP8 off, an input the GEMM cannot take: nothing fails, the loss looks fine, and the
+speed-up is gone. So each converted nn.Linear counts its forward calls in two bins, FP8 and high
+precision, and `fp8_coverage(model)` reads them back (fp8plug.coverage logs the line at conversion).
+
+How the count stays cheap and torch.compile-friendly: the counts live in a non-persistent int64
+buffer of two elements on the layer's device (`fp8plug_gemm_counts`: FP8, high precision),
+incremented in place by a forward pre-hook, so a compiled graph mutates a buffer like any other
+(no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
+left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
+the converted root). Whether a call runs in FP8 is the engine's answer
+(`Engine.runs_fp8(module, input)`, where `Engine.counts_gemms`); an engine that does not say gets no counter.
+
+What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
+the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
+plus any eval-mode call that runs in FP8. Eval-mode calls in high precision, the default eval
+policy, are not counted. A forward recomputed by activation checkpointing is counted once. The
+counts are this process's own; they restart with the process.
+
+Conversion (fp8plug.layers.rules) installs a counter on every Linear it converts; this module imports
+nothing of fp8plug's but ddp_buffers, and finds engines through the lookup the registry hands it
+(`use_engine_lookup`), so it sits below conversion, the engines and the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fp8plug.layers.ddp_buffers import ignore_in_ddp
+
+COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
+FP8, HIGH_PRECISION = 0, 1
+
+
+class GemmCounter:
+    """The forward pre-hook that counts one call of a converted Linear as FP8 or high precision.
+
+    A picklable object (not a closure) so converted models still pickle; it keeps the engine's
+    name and looks the engine up again after unpickling."""
+
+    def __init__(self, backend: str, on_meta: bool = False):
+        self.backend = backend
+        self._engine = _engine(backend)
+        # counts made on the meta device hold whatever memory held once materialised (to_empty)
+        self.on_meta = on_meta
+
+    def __getstate__(self):
+        return {"backend": self.backend, "on_meta": self.on_meta}
+
+    def __setstate__(self, state):
+        self.backend = state["backend"]
+        self.on_meta = state.get("on_meta", False)
+        self._engine = _engine(self.backend)
+
+    def settle(self, module: nn.Module) -> None:
+        """Zero counts that were made on the meta device and have since been given memory (or make
+        them, where the weights were assigned and the counts left behind on meta)."""
+        if not self.on_meta:
+            return
+        counts = module._buffers[COUNTS]
+        weight = next((p for p in module.parameters(recurse=False)), None)
+        if counts.is_meta and (weight is None or weight.is_meta):
+            return
+        device = weight.device if counts.is_meta else counts.device
+        module._buffers[COUNTS] = torch.zeros(2, dtype=torch.int64, device=device)
+        self.on_meta = False
+
+    def __call__(self, module: nn.Module, args, kwargs):
+        self.settle(module)
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        fp8 = bool(self._engine.runs_fp8(module, x))
+        if not (fp8 or module.training):
+            return None
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return None  # a forward recomputed during backward (activation checkpointing)
+        module._buffers[COUNTS].select(0, FP8 if fp8 else HIGH_PRECISION).add_(1)
+        return None
+
+
+# Set by the engine registry (fp8plug.backends) when it is imported, which `import fp8plug` does
+# before any of its submodules loads: name -> the engine that counts its layers' calls, or None
+# where the engine cannot say per call whether a layer runs in FP8. Handed down rather than
+# imported, so counting (and conversion, which installs the counters) sits below the registry.
+_counting_engine: Optional[Callable[[str], Any]] = None
+
+
+def use_engine_lookup(lookup: Callable[[str], Any]) -> None:
+    """Called once by the registry: how a counter finds its engine by name (after unpickling too)."""
+    global _counting_engine
+    _counting_engine = lookup
+
+
+def _engine(backend: str):
+    if _counting_engine is None:  # pragma: no cover - fp8plug/__init__ imports the registry first
+        raise RuntimeError("fp8plug.layers.gemm_counts: no engine registry; import fp8plug first.")
+    return _counting_engine(backend)
+
+
+def engine_counts(backend: str) -> bool:
+    """Whether the engine says, per call, whether a layer runs in FP8 (Engine.counts_gemms)."""
+    return _engine(backend) is not None
+
+
+def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> bool:
+    """Give the converted Linear `module` (at `fqn` in `root`) its counter; False where the engine
+    cannot say per call whether it runs FP8. Idempotent."""
+    if has_gemm_counter(module):
+        return True
+    if not engine_counts(backend):
+        return False
+    device = next((p.device for p in module.parameters(recurse=False)), None)
+    module.register_buffer(COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+    module.register_forward_pre_hook(GemmCounter(backend, on_meta=device is not None and device.type == "meta"),
+                                     with_kwargs=True)
+    ignore_in_ddp(root, [f"{fqn}.{COUNTS}" if fqn else COUNTS])
+    return True
+
+
+def has_gemm_counter(module: nn.Module) -> bool:
+    return COUNTS in module._buffers
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's and DDP's wrappers, so names are the user's own."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
+    """The running GEMM counts of `model`'s converted Linear layers:
+
+        {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
+
+    counted per forward call since conversion (or the last reset; see the module doc for what
+    counts). `reset=True` zeroes the counts after reading them, e.g. once per logging interval.
+    Reading costs one device synchronisation. A model with no counted layer gives zeros and {}.
+    """
+    model = _unwrap(model)
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
+            if isinstance(hook, GemmCounter):
+                hook.settle(module)
+    found = [(fqn, m._buffers[COUNTS]) for fqn, m in model.named_modules() if has_gemm_counter(m)]
+    found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
+    layers: Dict[str, Tuple[int, int]] = {}
+    if found:
+        with torch.no_grad():
+            values = torch.stack([counts.detach().to(found[0][1].device) for _, counts in found]).tolist()
+            if reset:
+                for _, counts in found:
+                    counts.zero_()
+        layers = {fqn: (int(fp8), int(hp)) for (fqn, _), (fp8, hp) in zip(found, values)}
+    return {
+        "fp8_gemms": sum(fp8 for fp8, _ in layers.values()),
+        "high_precision_gemms": sum(hp for _, hp in layers.values()),
+        "layers": layers,
+    }
+
+
+__all__ = ["COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter", "use_engine_lookup"]

@@ -1,0 +1,79 @@
+"""Where an FP8RecipeKwargs field is read from the environment: the variable names `accelerate
+launch` exports and those named after `accelerate config`'s keys, and how a value written there
+reads (fp8plug.recipe.kwargs resolves a recipe with these; kept apart so recipe.py holds the fields and
+their checks)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+# field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
+# launch exports its argparse default for every field even when nobody set it, so a launch value
+# equal to that default is only trusted when the wizard's name is absent.
+ENV_NAMES = {
+    "backend": ("ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_ENGINE"),  # `engine:`: a key accelerate ignores
+    "use_autocast_during_eval": ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", None),
+    "opt_level": ("ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_OPTIMIZATION_LEVEL"),
+    "margin": ("ACCELERATE_FP8_MARGIN", None),
+    "interval": ("ACCELERATE_FP8_INTERVAL", None),
+    "fp8_format": ("ACCELERATE_FP8_FORMAT", None),
+    "amax_history_len": ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH"),
+    "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
+    "enable_fsdp_float8_all_gather": ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", None),
+    "pad_inner_dim": ("ACCELERATE_FP8_PAD_INNER_DIM", None),
+    # fp8plug's own fields: `accelerate launch` still exports them from a config file's
+    # `fp8_config:` section as ACCELERATE_FP8_<KEY>; FP8PLUG_* is for setting them by hand.
+    "optimizer_states": ("FP8PLUG_OPTIMIZER_STATES", "ACCELERATE_FP8_OPTIMIZER_STATES"),
+    "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
+    "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
+    "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
+    "reduce_amax": ("FP8PLUG_REDUCE_AMAX", "ACCELERATE_FP8_REDUCE_AMAX"),
+    "skip_causal_mask": ("FP8PLUG_SKIP_CAUSAL_MASK", "ACCELERATE_FP8_SKIP_CAUSAL_MASK"),
+    "fp8_dpa": ("FP8PLUG_FP8_DPA", "ACCELERATE_FP8_FP8_DPA"),
+}
+MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
+OVERRIDE_ENV_NAMES = (
+    "ACCELERATE_FP8_OVERRIDE_FPROP",
+    "ACCELERATE_FP8_OVERRIDE_DGRAD",
+    "ACCELERATE_FP8_OVERRIDE_WGRAD",
+)
+_TRUE = ("true", "1", "yes", "y", "on")
+_FALSE = ("false", "0", "no", "n", "off", "")
+
+
+def parse_bool(value, name: str) -> bool:
+    """Read a boolean written as true/false/1/0 (any case), as launch and config files write it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name}: {value!r} is not a boolean; use true/false or 1/0.")
+
+
+def env_value(name: str, environ, default) -> Optional[str]:
+    """The value the environment gives field `name` (None: none): the launch variable unless it
+    only spells launch's default (`default`), then the wizard's, then the launch value anyway."""
+    launch_name, wizard_name = ENV_NAMES[name]
+    launch_value = environ.get(launch_name)
+    wizard_value = environ.get(wizard_name) if wizard_name else None
+    if launch_value is not None and not _same(launch_value, default):
+        return launch_value
+    if wizard_value is not None:
+        return wizard_value
+    return launch_value
+
+
+def _same(text: str, default) -> bool:
+    """Whether an environment string spells the launch default (so may not be the user's choice)."""
+    return default is not None and text.strip().lower() == str(default).lower()
+
+
+def env_override(environ) -> Optional[Tuple[bool, bool, bool]]:
+    """override_linear_precision from ACCELERATE_FP8_OVERRIDE_{FPROP,DGRAD,WGRAD}, or None."""
+    values = [environ.get(n) for n in OVERRIDE_ENV_NAMES]
+    if all(v is None for v in values):
+        return None
+    return tuple(parse_bool(v or "false", n) for v, n in zip(values, OVERRIDE_ENV_NAMES))
