@@ -33,7 +33,7 @@ liger_site() {  # liger-kernel from its carried wheel (the GPU machine has no pa
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests-native) python3 -m pytest tests/gpu/test_native_gpu.py -q -p no:cacheprovider -x 2>&1 | tail -3 ;;
+    tests-native) python3 -m pytest tests/gpu/test_native.py -q -p no:cacheprovider -x 2>&1 | tail -3 ;;
     tests) python3 -m pytest tests/gpu -q -m "not slow" -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     tests-all) python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     linear) python3 benchmarks/native_linear.py --json "$OUT/native_linear.json" 2>&1 | grep '^|\|device' ;;
@@ -48,7 +48,7 @@ for stage in "$@"; do
            python3 -m fp8plug.bench --no-progress --shapes sweep --modes eager --engines te:delayed --json "$OUT/bench_sweep_queued_te_eager.json" 2>&1 | tail -42 ;;
     sdpa) (cd benchmarks && for p in fp8plug raw; do python3 sdpa_choice.py --paths $p --layers 2 --compile blocks; done) 2>&1 | grep "==\|compiled step" ;;
     optim) python3 benchmarks/optimizer_states.py --device cuda --kinds fp32,fp8,8bit --out "$OUT/optimizer_states_gpu.md" 2>&1 | tail -10 ;;
-    multi) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_scaling_gpu.py tests/gpu/test_trainer_gpu.py \
+    multi) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_scaling.py tests/gpu/test_trainer.py \
              tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -k "rank or reduction or two_gpus or fsdp2 or ddp" \
              -q -s -p no:cacheprovider -rs 2>&1 | tee "$OUT/multi.log" | grep -v "^{" | tail -30 ;;
     dist) FP8PLUG_RECORD_DIR="$OUT/runs" python3 -m pytest tests/gpu/test_distributed.py tests/gpu/test_ao_fsdp2.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -30 ;;

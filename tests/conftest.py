@@ -26,7 +26,7 @@ def settings_in(environ):
 def _fresh_accelerate():
     """Forget accelerate's process-wide singletons, as a new process would (when it is loaded)."""
     if "accelerate.state" in sys.modules:
-        from tests._hf import fresh
+        from tests.support.hf import fresh
 
         fresh()
 

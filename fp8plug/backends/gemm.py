@@ -6,7 +6,7 @@ Xeons with AMX and avx512_fp16) takes its reference kernel: a 512x128x512 FP8 GE
 one, against 0.1 ms for the same GEMM in bf16, so a demo that trains for seconds in bf16 took half
 an hour in FP8. What torch computes there is simple: both operands dequantised to float32 (FP8
 value times its scale) and multiplied in float32. The emulation computes exactly that, to the bit
-(tests/test_fp8_gemm.py), with two differences in how: the FP8 values are read into float32 by a
+(tests/cpu/test_fp8_gemm.py), with two differences in how: the FP8 values are read into float32 by a
 few vectorised integer passes (`fp8_to_float`; torch converts FP8 one element at a time) and the
 product is a plain float32 GEMM. On that Xeon the GEMM takes 0.73 ms and a step of the README
 demo 2.2-2.5x bf16's on 2 threads, where torch's kernel made it 650x (docs/performance.md).

@@ -35,7 +35,7 @@ from fp8plug.recipe.kwargs import APPLIES_TO, DEFAULTS, FP8RecipeKwargs, field_n
 from fp8plug.tuning.roofline import auto_filter as speed_filter
 
 # `engine` below is a fp8plug.backends.base.Engine; not imported, not even for typing: base.py
-# imports this module (tests/test_import_graph.py counts every import).
+# imports this module (tests/cpu/test_import_graph.py counts every import).
 Engine = Any
 
 # Fields every engine honours, read by the shared code (registry, conversion rules, speed filter,

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_speed_filter(monkeypatch):
     """These tests check numerics on small models, which the default speed filter (auto_filter, on
-    for sm_90) would keep in bf16; test_auto_filter_gpu.py checks the filter itself. (It runs after
+    for sm_90) would keep in bf16; test_auto_filter.py checks the filter itself. (It runs after
     tests/conftest.py's clean_settings, which removes every FP8PLUG_* setting.)"""
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")
 

@@ -20,8 +20,8 @@ import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
-from tests._numerics import sqnr_db  # noqa: E402
-from tests._training import adamw_tail_loss  # noqa: E402
+from tests.support.numerics import sqnr_db  # noqa: E402
+from tests.support.training import adamw_tail_loss  # noqa: E402
 
 ROWWISE_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 SCALINGS = [

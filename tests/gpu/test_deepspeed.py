@@ -5,7 +5,7 @@ deepspeed.zero.Init train too; and the shipped launch config (examples/configs/2
 runs. Skipped unless two sm_89+ GPUs and DeepSpeed are there (device kind nvidia-h200-x2, kits .gpu
 and .dskit).
 
-One `accelerate launch` per ZeRO stage trains bf16 and every engine in turn (tests/_deepspeed_worker.py).
+One `accelerate launch` per ZeRO stage trains bf16 and every engine in turn (tests/support/deepspeed_worker.py).
 Run: source .gpu/install.sh && source .dskit/install.sh && python3 -m pytest tests/gpu/test_deepspeed.py -q -x -rs
 With FP8PLUG_RECORD_DIR=<dir> each stage's summary is also written there as JSON (for docs/results/).
 """
@@ -19,13 +19,13 @@ import pytest
 import torch
 import yaml
 
-from tests._record import record
-from tests._subprocess import child_env
+from tests.support.record import record
+from tests.support.processes import child_env
 
 pytest.importorskip("deepspeed", reason="needs DeepSpeed (source .dskit/install.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "_deepspeed_worker.py"
+WORKER = ROOT / "tests" / "support" / "deepspeed_worker.py"
 CONFIG = ROOT / "examples" / "configs" / "2gpu_deepspeed_fp8.yaml"
 ENGINES = ["native", "ao", "te"]
 STEPS = 200

@@ -123,7 +123,7 @@ def test_layer_on_the_fused_path_matches_the_torch_path(monkeypatch, scaling):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_fused_cast_keeps_non_finite_values_non_finite(dtype):
     """inf and NaN become NaN in FP8, exactly where scaling.quantize puts them, finite values
-    saturate as before: a bad batch's loss stays non-finite (tests/test_nonfinite.py)."""
+    saturate as before: a bad batch's loss stays non-finite (tests/cpu/test_nonfinite.py)."""
     fused_cast.load()
     t = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     t[7, 9], t[3, 4], t[100, 200], t[11, 12] = float("inf"), float("nan"), -float("inf"), 1e6

@@ -15,7 +15,7 @@ Skipped without liger-kernel (imported only inside the test). Run, with its whee
 
 import pytest
 
-from tests._record import record
+from tests.support.record import record
 
 SPEC = dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=512, seq=256, batch=8)
 STEPS = 150
@@ -25,7 +25,7 @@ LOSS_TOLERANCE = 0.02  # relative, FP8 vs bf16 after STEPS steps; the task's los
 def test_liger_llama_trains_in_fp8_with_lm_head_reported(monkeypatch):
     pytest.importorskip("liger_kernel.transformers")
     from fp8plug.layers.rules import LIGER
-    from tests._liger import tail_mean, train_with_liger
+    from tests.support.liger import tail_mean, train_with_liger
 
     bf16 = train_with_liger(monkeypatch, SPEC, STEPS, fp8=False, device="cuda")
     fp8 = train_with_liger(monkeypatch, SPEC, STEPS, fp8=True, device="cuda")

@@ -16,8 +16,8 @@ from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from tests._hf import train_on_lengths
-from tests._numerics import rel_error, sqnr_db
+from tests.support.hf import train_on_lengths
+from tests.support.numerics import rel_error, sqnr_db
 
 DEVICE, BF16 = "cuda", torch.bfloat16
 SHAPES = [(7,), (31,), (33,), (2047,), (8, 31)]

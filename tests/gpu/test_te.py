@@ -20,8 +20,8 @@ from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.backends.te import engine as te_engine  # noqa: E402
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches  # noqa: E402
-from tests._numerics import rel_error  # noqa: E402
-from tests._training import adamw_tail_loss, tail_mean, train  # noqa: E402
+from tests.support.numerics import rel_error  # noqa: E402
+from tests.support.training import adamw_tail_loss, tail_mean, train  # noqa: E402
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16

@@ -3,8 +3,8 @@
 MS-AMP is legacy. It is source-only, pins torch 2.1, TransformerEngine 1.1 and DeepSpeed 0.13.1,
 has been unmaintained upstream since 2024 and is deprecated by Accelerate, so as released it does
 not install on a current stack; scripts/build_msamp_kit.sh makes a kit that builds it from source
-for torch 2.11 / CUDA 13 with a small patch (docs/msamp.md). tests/test_msamp_contract.py checks
-this adapter against a stand-in of MS-AMP's documented surface (tests/fakes/msamp);
+for torch 2.11 / CUDA 13 with a small patch (docs/msamp.md). tests/cpu/test_msamp_contract.py checks
+this adapter against a stand-in of MS-AMP's documented surface (tests/support/fakes/msamp);
 tests/gpu/test_msamp_gpu.py trains with the real MS-AMP. For FP8 optimizer states without
 MS-AMP see fp8plug.integrations.optim.
 

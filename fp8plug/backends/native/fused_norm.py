@@ -18,7 +18,7 @@ Which modules: any transformers RMSNorm whose forward is LlamaRMSNorm's own, lin
 (Llama, Mistral, Qwen2/3, Granite, DeepSeek-V3 and over a hundred more share it), with no
 forward of its own set on the instance (a patch such as Liger's or accelerate's hooks).
 Compiled, or on the CPU, the converted module runs that original forward: inductor already
-fuses the norm with the cast (tests/test_native.py).
+fuses the norm with the cast (tests/cpu/test_native.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from fp8plug.backends.native.scaling import (
 def _is_delayed_layer(module: nn.Module) -> bool:
     """A NativeFP8Linear with at least one delayed slot, recognised by what it carries (its
     `delayed` flag and `materialise_fp8_state`): native.py imports this module, so this one
-    must not import native.py (tests/test_import_graph.py)."""
+    must not import native.py (tests/cpu/test_import_graph.py)."""
     return getattr(module, "delayed", False) is True and callable(getattr(module, "materialise_fp8_state", None))
 
 # Converted models (and directly built layers), in the order they were converted (a

@@ -1,0 +1,1 @@
+"""CPU tests: unit and integration, run by CI."""

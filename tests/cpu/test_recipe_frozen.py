@@ -1,0 +1,66 @@
+"""A recipe cannot be bent into an invalid state after construction: an assigned field is checked
+as at construction (`amax_history_len = 0` used to fail with IndexError at the first step, `margin
+= 40` to give a 98% output error silently), a bad value leaves the recipe as it was, and a good
+one counts as explicit. And a model prepared by one fp8plug.Accelerator is refused, clearly, by a
+second one, which used to ignore its own recipe, save no FP8 state for it and report no coverage."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import fp8plug
+from fp8plug import ConversionError, FP8RecipeKwargs
+from tests.support.hf import fresh
+from tests.cpu.test_accelerator import make, model_and_optimizer
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("amax_history_len", 0, "amax_history_len: 0 is out of range"),
+    ("margin", 40, "margin: 40 is out of range"),
+    ("interval", "often", "interval: 'often' is not an integer"),
+    ("fp8_format", "E5M2", "fp8_format: 'E5M2' is not allowed"),
+    ("amax_compute_algo", "mean", "amax_compute_algo: 'mean' is not allowed"),
+    ("backend", "cuda", "backend: unknown backend 'cuda'"),
+    ("override_linear_precision", (True,), "override_linear_precision: give three booleans"),
+    ("modules_to_ignore", "lm_head", "modules_to_ignore: give a list"),
+])
+def test_assigning_a_bad_value_fails_and_keeps_the_recipe(name, value, words):
+    for recipe in (FP8RecipeKwargs(backend="native"), copy.copy(FP8RecipeKwargs(backend="native")),
+                   pickle.loads(pickle.dumps(FP8RecipeKwargs(backend="native")))):
+        before = recipe.to_dict()
+        with pytest.raises(ValueError, match=f"^FP8RecipeKwargs.{words}"):
+            setattr(recipe, name, value)
+        assert recipe.to_dict() == before
+
+
+def test_assigning_a_good_value_is_canonical_and_explicit(monkeypatch):
+    recipe = FP8RecipeKwargs(backend="native")
+    recipe.margin = "2"
+    recipe.fp8_format = "e4m3"
+    assert recipe.margin == 2 and recipe.fp8_format == "E4M3" and recipe.is_explicit("margin")
+    monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "3")
+    recipe.margin = None  # resolved again, as at construction
+    assert recipe.margin == 3 and not recipe.is_explicit("margin")
+
+
+def test_assigned_history_length_reaches_the_layers():
+    recipe = FP8RecipeKwargs(backend="native")
+    recipe.amax_history_len = 4
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    fp8plug.convert_model(model, recipe=recipe)
+    assert model[0].fp8_amax_history.shape == (4, 3)
+
+
+def test_second_accelerator_refuses_a_prepared_model():
+    first = make()
+    model, optimizer = model_and_optimizer()
+    model, optimizer = first.prepare(model, optimizer)
+    first.prepare(model)  # the same Accelerator again: fine
+    fresh()
+    second = make(FP8RecipeKwargs(backend="native", amax_history_len=8))
+    with pytest.raises(ConversionError, match=r"^prepare\(\): argument 0: TinyDecoder was already prepared by another "
+                                               r"Accelerator.*one fp8plug.Accelerator only") as error:
+        second.prepare(model)
+    assert "\n" not in str(error.value)

@@ -1,1 +1,0 @@
-"""Stand-in for msamp.common (see tests/fakes/README.md)."""

@@ -1,0 +1,1 @@
+"""What the tests share: models, numerics, subprocess helpers, workers and fakes; no tests here."""

@@ -1,0 +1,1 @@
+"""Stand-in for msamp.common (see tests/support/fakes/README.md)."""
