@@ -18,13 +18,13 @@ import json
 
 import torch
 
+from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
 from fp8plug.integrations.float8 import (
     AOFloat8LinearConfig,
     AOMXLinearConfig,
     Float8Config,
     precompute_float8_dynamic_scale_for_fsdp,
 )
-from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
 
 
 def float8_config(recipe: str) -> Float8Config:

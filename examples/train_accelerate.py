@@ -25,8 +25,8 @@ import os
 import torch
 
 import fp8plug
-from fp8plug.integrations.accelerator import requested_precision
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches
+from fp8plug.integrations.accelerator import requested_precision
 
 
 def parse_args(argv=None):

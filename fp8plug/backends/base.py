@@ -100,7 +100,7 @@ def probe_import(module_name: str, version_of: Optional[Callable] = None) -> Pro
 @dataclass(frozen=True)
 class Speed:
     """A training speed-up measured for an engine over bf16 under torch.compile, in one run of
-    benchmarks/hf_llama.py (docs/performance.md), and the `scaling` it was measured with, which
+    benchmarks/training/hf_llama.py (docs/performance.md), and the `scaling` it was measured with, which
     the automatic choice then uses where the user set none (None: the engine's default)."""
 
     speedup: float
@@ -108,7 +108,7 @@ class Speed:
 
 
 # where Engine.measured comes from, for `fp8plug env` and the selection's explanation
-MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/hf_llama.py (docs/performance.md)"
+MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/training/hf_llama.py (docs/performance.md)"
 
 
 class Engine:

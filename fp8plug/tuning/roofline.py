@@ -86,7 +86,7 @@ DEFAULT_TOKENS = 8192  # tokens per GPU per step the automatic filter assumes (e
 # The automatic filter keeps a Linear in bf16 only if FP8 is predicted at least 15% slower. The
 # constants come from Linears timed alone; inside a compiled block the casts fuse with their
 # neighbours (the norm before, the activation after), which a lone Linear cannot show. Measured on
-# the H200, 1b model of benchmarks/train_step.py: keeping its 2048x2048 projections in bf16
+# the H200, 1b model of benchmarks/training/train_step.py: keeping its 2048x2048 projections in bf16
 # (predicted 0.99x, 0.91x timed alone) made the step 2.1% slower than converting them.
 AUTO_MIN_SPEEDUP = 0.85
 

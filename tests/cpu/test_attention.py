@@ -3,7 +3,7 @@ is_causal and no mask, compiled too, computes what "sdpa" computes, and still bu
 wherever one is needed (a padding mask, position ids the caller passes, a KV cache, a sliding
 window); a failed forward leaves no state behind; the switch is undone for shipping.
 
-Which kernel SDPA picks on a GPU, and what that is worth, is benchmarks/hf_llama.py's
+Which kernel SDPA picks on a GPU, and what that is worth, is benchmarks/training/hf_llama.py's
 (docs/performance.md, "Session 11")."""
 
 import copy

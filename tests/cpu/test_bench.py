@@ -217,7 +217,7 @@ def test_cli_bench_subcommand(tmp_path, capsys):
 @pytest.mark.slow
 def test_train_step_tiny_smoke(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--tiny", "--engines", "native,te",
+        [sys.executable, str(ROOT / "benchmarks" / "training" / "train_step.py"), "--tiny", "--engines", "native,te",
          "--no-subprocess", "--steps", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
@@ -278,9 +278,9 @@ def test_a_delayed_case_runs_its_scaling_update_like_training():
 
 
 def test_step_profile_groups_kernels_by_what_they_do():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "training"))
     try:
-        from step_profile import group_of
+        from gpu_time_by_kind import group_of
     finally:
         sys.path.pop(0)
     # cuBLAS names operand types after nvjet_sm90_: q e4m3, r e5m2, t bf16, s float32

@@ -1,4 +1,4 @@
-"""benchmarks/hf_llama.py at the toy size on the CPU: every row runs in its own process and comes
+"""benchmarks/training/hf_llama.py at the toy size on the CPU: every row runs in its own process and comes
 back with its numbers (or, where its engine cannot run, with the reason), FP8 rows train to within
 a stated distance of bf16, rows that transformers.Trainer runs train like the bench's own loop, and
 the synthetic task's loss floor is the one its generator implies."""
@@ -16,7 +16,7 @@ import torch
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "hf_llama.py"
+SCRIPT = ROOT / "benchmarks" / "training" / "hf_llama.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import hf_llama  # noqa: E402
 

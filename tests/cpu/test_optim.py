@@ -4,7 +4,7 @@ FP8RecipeKwargs.optimizer_states.
 torchao compiles its per-parameter step with torch.compile, one compile per parameter shape, which
 costs tens of seconds on a 2-core CPU; these tests run that same step function eagerly
 (TORCHDYNAMO_DISABLE=1 turns torch.compile into a no-op) so they stay fast. The compiled path is
-what benchmarks/optimizer_states.py runs.
+what benchmarks/training/optimizer_states.py runs.
 """
 
 import math

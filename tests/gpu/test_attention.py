@@ -2,7 +2,7 @@
 transformers Llama converted by fp8plug runs SDPA with is_causal and no mask, and its logits are
 those of "sdpa" run eagerly. What "sdpa" itself does when compiled is printed (on torch < 2.14
 transformers builds the mask: the reason for fp8plug.hf.attention). The speed is
-benchmarks/hf_llama.py's (bf16-skipmask and fp8plug-keepmask rows)."""
+benchmarks/training/hf_llama.py's (bf16-skipmask and fp8plug-keepmask rows)."""
 
 import copy
 

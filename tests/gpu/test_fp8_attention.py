@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_attention_problem() is not None,
     reason=f"FP8 attention cannot run here: {fp8_attention_problem() if torch.cuda.is_available() else 'no GPU'}")
 
-# SQNR bounds, dB (measured on the H100 with TE 2.20.2, benchmarks/fp8_attention.py at B4 x T2048,
+# SQNR bounds, dB (measured on the H100 with TE 2.20.2, benchmarks/attention/attention_speed.py at B4 x T2048,
 # 32/8 heads, head dim 128: 25.3 / 19.5 / 19.5 / 21.3; bf16 reaches about 50)
 MIN_SQNR = {"out": 20.0, "dq": 15.0, "dk": 15.0, "dv": 15.0}
 MAX_SQNR_OUT = 40.0  # above this the output would be bf16's, not FP8's

@@ -355,7 +355,7 @@ class NativeEngine(Engine):
     honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
     honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
-    # The Hugging Face Llama of benchmarks/hf_llama.py on an H100, against bf16 compiled: compiled
+    # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled: compiled
     # 1.45x (session 12), dynamic tying delayed and reaching its first step sooner; eager 1.22x
     # (session 14: 1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x in that call),
     # dynamic, whose casts of a shared input are made once and take the fused norms' amax, which

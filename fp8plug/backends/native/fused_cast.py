@@ -31,7 +31,7 @@ from fp8plug.backends.native.scaling import FP8_MAX, SCALE_MAX
 # The cast-transpose kernel's tile (rows, columns) and warps; whether 16-bit input is transposed in
 # registers (tl.trans) rather than loaded a second time in transposed order (float32 input always
 # is: tl.trans gave wrong tiles for it on an H100 with Triton 3.6). Both picked by
-# benchmarks/fused_cast_tiles.py.
+# benchmarks/linear/fused_cast_tiles.py.
 TILE = (64, 256, 8)
 TRANSPOSE_16BIT_IN_REGISTERS = True
 # The first-step amax pass: elements per block, and at most this many programs, each walking

@@ -3,7 +3,7 @@ its output to the FP8 cast that follows it.
 
 Why: eagerly, transformers' LlamaRMSNorm is a dozen torch kernels forward and backward, each a
 pass over the residual stream (float32 under autocast): on the 4-layer Llama of
-benchmarks/hf_llama.py, about 8 ms of a 102 ms FP8 step on an H100 (docs/performance.md). Its
+benchmarks/training/hf_llama.py, about 8 ms of a 102 ms FP8 step on an H100 (docs/performance.md). Its
 output then feeds q/k/v (or gate/up), whose dynamic FP8 cast reads it once more for its amax. One
 kernel here reads the norm's input once and writes the output, the per-row 1/rms that backward
 needs, and the output's amax (backends._shared_input hands it to the cast, which then reads the

@@ -1,7 +1,7 @@
 """Profile a few training steps of one train_step.py path: GPU time by kernel and wall time per
 step, to find where fp8plug's path and the raw engine's differ.
 
-    python3 benchmarks/profile_step.py --path fp8plug --engine native --layers 2
+    python3 benchmarks/training/profile_train_step.py --path fp8plug --engine native --layers 2
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import argparse
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 import train_step
+from torch.profiler import ProfilerActivity, profile
 
 
 def main():

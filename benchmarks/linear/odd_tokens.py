@@ -7,8 +7,8 @@ same token count, and, for an odd count, its time over the time of the aligned c
 to ("vs padded"; 1.00 means the padding copies cost nothing beyond the padded GEMMs). "fp8" says
 whether the call really ran in FP8 (fp8plug.fp8_coverage), so a silent fallback shows.
 
-    python3 benchmarks/odd_tokens.py                       # GPU: ao and te, K=N=4096, eager+compiled
-    python3 benchmarks/odd_tokens.py --engines ao,te:current,native --tokens 2047,2048 --json out/odd.json
+    python3 benchmarks/linear/odd_tokens.py                       # GPU: ao and te, K=N=4096, eager+compiled
+    python3 benchmarks/linear/odd_tokens.py --engines ao,te:current,native --tokens 2047,2048 --json out/odd.json
 """
 
 from __future__ import annotations
@@ -18,15 +18,19 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fp8plug import FP8RecipeKwargs, fp8_coverage, get_backend  # noqa: E402
-from fp8plug import bench  # noqa: E402
+from fp8plug import (  # noqa: E402
+    FP8RecipeKwargs,
+    bench,  # noqa: E402
+    fp8_coverage,
+    get_backend,
+)
 from fp8plug.tuning.hardware import device_info  # noqa: E402
 
 DEFAULT_TOKENS = "248,256,2047,2048,2049,2064,4095,4096,8191,8192"

@@ -12,8 +12,8 @@ same synthetic batches, each run in its own process, and the table reports:
   loss          mean training loss over the last 10 steps, and its difference from fp32 AdamW
   ms/step       mean over the steps after the first 10 (torchao compiles its step at first use)
 
-    python3 benchmarks/optimizer_states.py                                 # tiny, CPU
-    python3 benchmarks/optimizer_states.py --device cuda --out docs/optimizer_states_gpu.md
+    python3 benchmarks/training/optimizer_states.py                                 # tiny, CPU
+    python3 benchmarks/training/optimizer_states.py --device cuda --out docs/optimizer_states_gpu.md
 
 Models: tiny (CPU default: 2 layers, d=64, vocab 256, B=8, T=32) and small (CUDA default:
 6 layers, d=768, ffn 3072, vocab 16384, B=16, T=256, about 80M parameters; bf16 autocast, fp32
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,4 +1,4 @@
-"""What every row of benchmarks/hf_llama.py trains, whichever way it runs the model: the synthetic
+"""What every row of benchmarks/training/hf_llama.py trains, whichever way it runs the model: the synthetic
 task, the LlamaForCausalLM, and the learning-rate schedule.
 
 A module of its own because two training loops use it, hf_llama.py's own (the Accelerator rows)

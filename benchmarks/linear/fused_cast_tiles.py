@@ -3,7 +3,7 @@ memory traffic (read the tensor once, write it twice in FP8), against torch ops 
 torch.compile doing the same cast with the amax pass a dynamic scale needs. Picks
 fused_cast.TILE and TRANSPOSE_16BIT_IN_REGISTERS (columns ending in "-reg").
 
-    python3 benchmarks/fused_cast_tiles.py --shapes 16384x8192,16384x57344,8192x14336
+    python3 benchmarks/linear/fused_cast_tiles.py --shapes 16384x8192,16384x57344,8192x14336
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import json
 
 import torch
 
-from fp8plug.backends.native import fused_cast
 from fp8plug.backends.native import engine as native
-from fp8plug.bench import Timer
+from fp8plug.backends.native import fused_cast
 from fp8plug.backends.native.scaling import E4M3
+from fp8plug.bench import Timer
 
 TILES = [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8)]
 

@@ -1,7 +1,7 @@
 """Linear forward+backward at LLaMa-2-70B shapes: native (compiled) against bf16 compiled and
 torchao tensorwise (compiled), on one CUDA GPU. Prints a markdown table and writes JSON.
 
-    python3 benchmarks/native_linear.py --json out.json
+    python3 benchmarks/linear/native_70b_shapes.py --json out.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/hf_llama.py's `trainer` rows: the model trained by Hugging Face `transformers.Trainer`
+"""benchmarks/training/hf_llama.py's `trainer` rows: the model trained by Hugging Face `transformers.Trainer`
 with `TrainingArguments(torch_compile=True)`, as a Trainer user turns compilation on (issue 27).
 
 A module of its own because the row does not run hf_llama.py's training loop: Trainer runs its
@@ -44,9 +44,7 @@ from unittest import mock
 
 import torch
 import transformers
-
-from hf_llama_measure import (StepClock, dynamo_graphs, gpu_memory, model_facts, note_early_step,
-                              step_numbers)
+from hf_llama_measure import StepClock, dynamo_graphs, gpu_memory, model_facts, note_early_step, step_numbers
 from hf_llama_task import build_model, make_batches, warmup_schedule
 
 

@@ -1,4 +1,4 @@
-"""How every row of benchmarks/hf_llama.py is measured, whichever loop trains it: step times,
+"""How every row of benchmarks/training/hf_llama.py is measured, whichever loop trains it: step times,
 the moments from process start to the first step's and the warm-up's end, what runs in FP8, peak
 memory, and the reported loss.
 
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from step_profile import memory_at_peak
+from gpu_time_by_kind import memory_at_peak
 from train_step import count_fp8_modules
 
 LOSS_WINDOW = 10  # the reported loss is the mean over this many last steps

@@ -5,8 +5,8 @@ Why: torch's CPU `_scaled_mm` takes oneDNN's reference kernel on some CPUs (AMX 
 times slower than bf16; fp8plug emulates FP8 GEMMs in bf16 on every CPU (fp8plug.backends.gemm). This
 measures both on the machine it runs on, so the choice is checked where it matters.
 
-    python3 benchmarks/cpu_fp8.py                   # all ways, the threads torch picks
-    taskset -c 0,1 python3 benchmarks/cpu_fp8.py --threads 2 --json out/cpu_fp8.json
+    python3 benchmarks/linear/cpu_fp8.py                   # all ways, the threads torch picks
+    taskset -c 0,1 python3 benchmarks/linear/cpu_fp8.py --threads 2 --json out/cpu_fp8.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

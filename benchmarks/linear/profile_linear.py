@@ -5,20 +5,24 @@ It runs the very cases `fp8plug bench` times (fp8plug.bench.cases: bf16, every e
 scaling, the bare FP8 GEMMs), so a gap in the bench's table can be split into "slower GEMMs" and
 "more cast work" here.
 
-    python3 benchmarks/profile_linear.py --shapes 16384x8192x8192 --engines native:delayed,te:delayed,fp8-gemm
+    python3 benchmarks/linear/profile_linear.py --shapes 16384x8192x8192 --engines native:delayed,te:delayed,fp8-gemm
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from fp8plug.bench import BF16, parse_shapes, resolve_engines
 from fp8plug.bench.cases import EngineSpec, build_case
 from fp8plug.tuning.hardware import device_info
-from step_profile import profile_steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # the profiler grouping lives there
+from gpu_time_by_kind import profile_steps  # noqa: E402
 
 
 def profile_case(spec: EngineSpec, shape, mode: str, device, iterations: int) -> dict:

@@ -4,7 +4,7 @@ One panel per mode (eager, compiled); in each, one group of bars per shape and o
 engine; the dashed line at 1.0 is bf16. Failed cases are left out of the bars (the JSON and the
 bench table say why). matplotlib is needed here only, not by fp8plug.
 
-    python3 benchmarks/plot_speedup.py bench.json --out speedup.png
+    python3 benchmarks/linear/plot_speedup.py bench.json --out speedup.png
 """
 
 from __future__ import annotations

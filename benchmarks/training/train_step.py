@@ -20,8 +20,8 @@ the timed steps), the final loss, and how many modules the engine converted; the
 over bf16 and fp8plug's overhead against the raw engine ((raw tokens/s / fp8plug tokens/s - 1),
 in %). The output head stays in bf16 on every FP8 path (modules_to_ignore), as is usual.
 
-    python3 benchmarks/train_step.py --model probe --out out/          # on a GPU
-    python3 benchmarks/train_step.py --tiny --out /tmp/ts              # CPU smoke run
+    python3 benchmarks/training/train_step.py --model probe --out out/          # on a GPU
+    python3 benchmarks/training/train_step.py --tiny --out /tmp/ts              # CPU smoke run
 
 Models (fp8plug.bench.toy_model.TinyDecoder: pre-norm attention + SwiGLU MLP, RMSNorm):
   probe  4 layers, d=4096, ffn=16384, 32 heads, vocab 32000, B=4, T=2048 (DESIGN.md's probe)
@@ -41,7 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -518,7 +518,7 @@ def main(argv=None) -> int:
         device=(torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"),
         torch=torch.__version__, versions=versions(), compile=compile_how, steps=steps, warmup=warmup,
         dtype="bfloat16", date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        command="python3 benchmarks/train_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command="python3 benchmarks/training/train_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

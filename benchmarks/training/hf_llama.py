@@ -45,13 +45,13 @@ against fp8plug + Liger (lm_head then stays in high precision in every row: Lige
 weight directly, docs/liger.md). The JSON's spec records both (and --compile-backend), and fp8plug
 rows record which Linear layers stayed in high precision and why (`high_precision_linears`).
 
-    python3 benchmarks/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
-    python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
-    python3 benchmarks/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
-    python3 benchmarks/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
-    python3 benchmarks/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50   # Trainer(torch_compile=True)
-    python3 benchmarks/hf_llama.py --preset toy --device cpu --compile-backend aot_eager --rows bf16-trainer,fp8plug-trainer
-    python3 benchmarks/hf_llama.py --table a.json b.json                  # merge runs into one table
+    python3 benchmarks/training/hf_llama.py --json out/hf_llama.json             # the whole table, on a GPU
+    python3 benchmarks/training/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
+    python3 benchmarks/training/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
+    python3 benchmarks/training/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
+    python3 benchmarks/training/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50   # Trainer(torch_compile=True)
+    python3 benchmarks/training/hf_llama.py --preset toy --device cpu --compile-backend aot_eager --rows bf16-trainer,fp8plug-trainer
+    python3 benchmarks/training/hf_llama.py --table a.json b.json                  # merge runs into one table
 """
 
 from __future__ import annotations
@@ -72,15 +72,22 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from hf_llama_measure import (StepClock, dynamo_graphs, fp8_attention_calls, gpu_memory, model_facts,  # noqa: E402
-                              note_early_step, step_numbers)
+from gpu_time_by_kind import profile_steps  # noqa: E402
+from hf_llama_measure import (  # noqa: E402
+    StepClock,
+    dynamo_graphs,
+    fp8_attention_calls,
+    gpu_memory,
+    model_facts,
+    note_early_step,
+    step_numbers,
+)
 from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
-from step_profile import profile_steps  # noqa: E402
 
 PRESETS = {
     # the model of issue 15
@@ -486,7 +493,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     meta = dict(spec=args.spec, steps=args.steps, warmup=args.warmup, lr=args.lr, versions=versions(),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                command="python3 benchmarks/hf_llama.py " + " ".join(sys.argv[1:] if argv is None else argv))
+                command="python3 benchmarks/training/hf_llama.py " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.row:  # one row, in this process (what the parent's children run)
         rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START,
                         args.profile)]

@@ -5,7 +5,7 @@ against cuDNN). This prints, for each path, the SDPA priority order at each stag
 for every attention call of one eager step the backend the dispatcher chooses, with the inputs'
 layout and the failing checks of cuDNN attention (torch's own debug messages).
 
-    python3 benchmarks/sdpa_choice.py --paths fp8plug,raw --engine native --layers 1
+    python3 benchmarks/training/sdpa_choice.py --paths fp8plug,raw --engine native --layers 1
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
 import train_step
 
 BACKENDS = {int(value): name for name, value in torch.nn.attention.SDPBackend.__members__.items()}

@@ -17,8 +17,8 @@ three input gradients). Variants:
                  attention function in training mode (TE's FP8 DPA, delayed scaling, plus the
                  update of the backward scales after each backward)
 
-    python3 benchmarks/fp8_attention.py --batch 4 --seq 2048 --json out.json
-    python3 benchmarks/fp8_attention.py --seq 2048,4096,8192 --inputs bthd --variants sdpa-bf16,fp8plug-dpa
+    python3 benchmarks/attention/attention_speed.py --batch 4 --seq 2048 --json out.json
+    python3 benchmarks/attention/attention_speed.py --seq 2048,4096,8192 --inputs bthd --variants sdpa-bf16,fp8plug-dpa
 
 The float32 reference runs one batch row and one key/value head (with its query heads) at a
 time, so that its full T x T scores fit in memory at 8192 tokens.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch

@@ -3,8 +3,8 @@ one table per mode) and, if matplotlib is installed, speedup.png.
 
 Every option of `fp8plug bench` works here too; --out replaces --json/--csv.
 
-    python3 benchmarks/linear_bench.py --out out/linear                 # GPU: 70B shapes, eager+compiled
-    python3 benchmarks/linear_bench.py --out out/sweep --shapes sweep   # for fp8plug.tuning.roofline_fit.calibrate
+    python3 benchmarks/linear/bench_report.py --out out/linear                 # GPU: 70B shapes, eager+compiled
+    python3 benchmarks/linear/bench_report.py --out out/sweep --shapes sweep   # for fp8plug.tuning.roofline_fit.calibrate
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for extra in (ROOT, ROOT / "benchmarks"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         plot_speedup.plot(data, str(out / "speedup.png"))
         print(f"wrote {out / 'speedup.png'}")
     except ImportError:
-        print("matplotlib not installed: no speedup.png (python3 benchmarks/plot_speedup.py can make it later)")
+        print("matplotlib not installed: no speedup.png (python3 benchmarks/linear/plot_speedup.py can make it later)")
     return status
 
 
