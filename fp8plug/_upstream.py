@@ -1,16 +1,11 @@
 """Every place fp8plug relies on accelerate's or transformers' private names, in one module.
 
-Why one module: a private name can change in any release without notice. Kept here, each reach
-says what it relies on and which versions it was checked against, so an upgrade means reading
-one file, and `grep _upstream` finds every caller. Nothing else in fp8plug may touch a private
-name of accelerate or transformers (a leading underscore, a private method overridden, a module
-attribute swapped); fp8plug's own modules reach one another through public names
-(`fp8plug.Accelerator.fp8_models`, say).
-
-Versions checked: accelerate 1.8.0 (the oldest setup.cfg allows, run by .ci/run) and 1.15.0;
-transformers 5.10.1 (the oldest setup.cfg allows, run by .ci/run), 5.17.0 (the GPU machine) and
-5.23.0. transformers is imported only inside the functions that need it, so `import fp8plug`
-stays free of it.
+A private name can change in any release without notice. Kept here, each reach says what it relies
+on and which versions it was checked against, so an upgrade means reading one file (`grep
+_upstream` finds every caller); nothing else in fp8plug may touch such a name. Checked against
+accelerate 1.8.0 (the oldest setup.cfg allows, run by .ci/run) and 1.15.0, transformers 5.10.1 (the
+oldest, run by .ci/run), 5.17.0 and 5.23.0. transformers is imported only inside the functions
+that need it, so `import fp8plug` stays free of it.
 """
 
 from __future__ import annotations

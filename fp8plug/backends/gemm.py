@@ -1,18 +1,11 @@
 """The FP8 GEMM itself, on any device: `torch._scaled_mm` where the hardware has FP8 matrix units,
 an emulation on the CPU.
 
-Why emulate on a CPU: torch's CPU `_scaled_mm` goes through oneDNN, which on some CPUs (Intel
-Xeons with AMX and avx512_fp16) takes its reference kernel: a 512x128x512 FP8 GEMM took 1.03 s on
-one, against 0.1 ms for the same GEMM in bf16, so a demo that trains for seconds in bf16 took half
-an hour in FP8. What torch computes there is simple: both operands dequantised to float32 (FP8
-value times its scale) and multiplied in float32. The emulation computes exactly that, to the bit
-(tests/cpu/test_fp8_gemm.py), with two differences in how: the FP8 values are read into float32 by a
-few vectorised integer passes (`fp8_to_float`; torch converts FP8 one element at a time) and the
-product is a plain float32 GEMM. On that Xeon the GEMM takes 0.73 ms and a step of the README
-demo 2.2-2.5x bf16's on 2 threads, where torch's kernel made it 650x (docs/performance.md).
-
-`fp8_gemm_speed` times one FP8 GEMM against one bf16 GEMM of the same shape in a few milliseconds
-for `fp8plug env`, so a user sees how FP8 runs on their device before training on it.
+torch's CPU `_scaled_mm` takes oneDNN's reference kernel on some Xeons (hundreds of times bf16's
+time). What it computes is simple: both operands dequantised to float32 and one float32 GEMM. The
+emulation computes exactly that, to the bit (tests/cpu/test_fp8_gemm.py), reading FP8 into float32
+with a few vectorised integer passes (`fp8_to_float`). `fp8_gemm_speed` times FP8 against bf16 in
+milliseconds for `fp8plug env`. Measured: docs/performance.md, "FP8 on a CPU".
 """
 
 from __future__ import annotations

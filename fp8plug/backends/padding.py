@@ -1,16 +1,11 @@
 """FP8 for any token count: zero-pad the token dimension up to what an FP8 GEMM needs.
 
-Why: FP8 GEMMs need aligned operands. The token count M (all of an input's dimensions but the
-last, flattened) is the inner dimension of the weight-gradient GEMM (grad_output.T @ input), so
-engines ask for M divisible by 16 (torch._scaled_mm, torchao), 8 (TransformerEngine) or 32
-(MXFP8). With Hugging Face's dynamic padding most batches have some other M, and running those in
-high precision would make an "FP8" run mostly bf16.
-
-Zero rows change nothing on the real rows: each output row depends only on its own input row, a
-zero row adds nothing to the weight and bias gradients (its output gradient is zero, since it is
-sliced away), and zeros never raise an amax, so every scale (per tensor, per row, per block) is
-the one the real rows alone give. Outputs and gradients on the real rows are the unpadded
-computation's; the cost is one copy of the input and of the output gradient.
+The token count M is the inner dimension of the weight-gradient GEMM, so engines ask for M
+divisible by 16 (8 for TransformerEngine, 32 for MXFP8); with dynamic padding most batches have
+some other M, and running those in high precision would make an "FP8" run mostly bf16. Zero rows
+change nothing on the real rows (each output row depends on its own input row only, a zero row
+adds nothing to the weight and bias gradients, and zeros never raise an amax, so every scale is
+the real rows'). The cost: one copy of the input and of the output gradient.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The end of an optimizer step: one path from every way of training to each engine's work.
 
-Some engines have work due once per applied optimizer step, after the update: the native
-engine's delayed scaling (amaxes reduced across ranks, histories and scales updated), torchao's
-float8 all-gather scales under FSDP2. Run twice, a delayed-scaling history advances twice; run
-never, the scales stay those of the first step. So the work is one protocol method,
-`Engine.end_step`, reached only through `end_step` below, and each way of training calls that
-function exactly once per step:
-
-- a torch optimizer's `step()` (a hand-written loop, fp8plug.Accelerator, a Trainer): one global
-  torch step post hook ends the step for the tracked models whose parameters that optimizer holds
-  (a model with frozen FP8 layers and trainable adapters counts);
-- DeepSpeed: its engine's `step()`, wrapped by fp8plug.integrations.deepspeed_zero, since ZeRO steps the torch
-  optimizer per flat partition, whose parameters are no model's (the hook above finds none);
-- by hand, for a loop without a torch optimizer: `fp8plug.sync_fp8_scaling`.
-
-An engine with such work `track`s each model it converts. Kept apart from the engines so that the
-rule "which models did this optimizer step train" is written once for all of them.
+Some engines have work due once per applied optimizer step (native delayed scaling's amax
+reduction and scale update; torchao's float8 all-gather scales under FSDP2). Run twice, a history
+advances twice; never, the scales stay the first step's. So it is one method, `Engine.end_step`,
+reached only through `end_step` below, called once per step: by a global torch optimizer step
+hook for the tracked models whose parameters that optimizer holds, by the wrapped DeepSpeed engine
+step (fp8plug.integrations.deepspeed_zero), or by hand (`fp8plug.sync_fp8_scaling`).
 """
 
 from __future__ import annotations

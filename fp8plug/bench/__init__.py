@@ -1,18 +1,11 @@
 """`fp8plug bench`: how fast one Linear's forward+backward runs in FP8, engine by engine, against
 bf16 on the same machine.
 
-Why it exists: FP8 only pays where the GEMMs are big enough to outweigh the casts, and each engine
-pays a different price for its casts. This measures that price at the shapes you care about
-(default: the LLaMa-2-70B shapes used by torchao's benchmarks, M=16384 tokens), eager and
-compiled, so you can pick an engine and calibrate fp8plug.tuning.roofline's automatic layer filter.
-
-Every number is the median of timed repeats after warm-up: CUDA events on a GPU, the wall clock
-on the CPU (where the default shapes are tiny: a smoke test, not a measurement). An engine that
-fails at a shape gets a row with the reason instead of stopping the run.
-
-    fp8plug bench                                   # every usable engine, default shapes
-    fp8plug bench --shapes 16384x8192x8192 --modes compiled --json out.json
-    python -m fp8plug.bench --engines native:dynamic,ao --csv out.csv
+FP8 only pays where the GEMMs outweigh the casts, and each engine pays its own price for them;
+this measures it at the shapes you choose (default: the LLaMa-2-70B shapes, M=16384 tokens), eager
+and compiled, to pick an engine and to calibrate fp8plug.tuning.roofline. Each number is a median
+after warm-up (CUDA events on a GPU, the wall clock on the CPU); an engine that fails at a shape
+gets a row with the reason. `fp8plug bench --help` lists the options; docs/performance.md the runs.
 """
 
 from __future__ import annotations

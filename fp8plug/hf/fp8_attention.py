@@ -1,42 +1,11 @@
 """FP8 attention for transformers models: the recipe's `fp8_dpa` (off by default).
 
-Why opt-in: issue 27 asked for FP8 attention on Hopper. TransformerEngine's FP8 dot-product
-attention (cuDNN's FP8 fused attention, under `DelayedScaling(fp8_dpa=True)`) was measured slower
-than bf16 SDPA at 2048 to 8192 tokens, 25-30 dB less accurate, and 3% higher in loss after 200
-steps of the benchmark Llama (docs/attention.md), so it runs only where asked for: `FP8RecipeKwargs(fp8_dpa=True)` or `FP8PLUG_FP8_DPA=true`.
-
-What: conversion (fp8plug.api.convert_with_plan) switches every transformers model in the model
-whose attention is "sdpa" (or already fp8plug's "fp8plug_sdpa") to FP8PLUG_FP8_DPA, registered
-with transformers' attention registry with `fp8_attention_forward` below and with the mask
-function of "fp8plug_sdpa" (fp8plug.hf.attention.causal_or_sdpa_mask), which hands a plain causal
-mask over as None. The attention function runs TE's FP8 attention
-(fp8plug.backends.te.attention) only where that computes what SDPA computes and TE can take it:
-
-- not while torch.compile traces (TE's modules are not traceable), on CUDA tensors;
-- in training mode, or in eval where the recipe's `use_autocast_during_eval` says FP8 there too;
-- no attention mask (so no padding mask, no packed sequences, no KV cache, no sliding window or
-  chunking, which all build one), causal, as many keys as queries, no dropout, none of the
-  arguments some models add (sliding_window, softcap, sinks, position_bias, ...);
-- bfloat16 or float16 to compute in: under autocast its dtype, to which the inputs are cast as
-  autocast casts them for SDPA (a Llama with float32 weights under bf16 autocast hands float32
-  queries and keys, RoPE's float32 cos and sin having promoted them); without it, the inputs'
-  one dtype;
-- one head dim for queries and values, a multiple of 16, and query heads a multiple of the
-  key/value heads.
-
-Everywhere else it calls transformers' own SDPA function, unchanged. The `fp8plug` logger says
-once per process what runs, and once each reason for falling back. Where TE refuses a call (no
-cuDNN kernel for that shape, say), that shape of that module runs SDPA from then on, with a
-warning. Where fp8_dpa is asked for and FP8 attention cannot run at all (no TE, a broken TE, a
-GPU before Hopper, no GPU), conversion warns once, naming `fp8_dpa`, and the model keeps
-"fp8plug_sdpa" (or "sdpa"): nothing is raised.
-
-The TE module of each attention module (one per shape) is created on its first FP8 call and kept
-in a table beside the module, not as its submodule: the model's state dict, checkpoints and
-deep copies stay transformers' own. Its delayed-scaling history is therefore not checkpointed: a
-resumed run starts from TE's initial scale (1.0) and relearns it within the first steps (see
-_te_attention for how the scales are kept up to date). `unconvert_model` and `export_model` put
-"sdpa" back (fp8plug.hf.attention.restore_sdpa).
+Conversion switches a transformers model on "sdpa" (or "fp8plug_sdpa") to FP8PLUG_FP8_DPA, whose
+attention function runs TransformerEngine's FP8 dot-product attention (fp8plug.backends.te.attention)
+where it computes what SDPA computes (`why_sdpa` says where it does not), and transformers' own
+SDPA everywhere else; `unconvert_model` and `export_model` put "sdpa" back. Opt-in because on an
+H100 it was slower than bf16 SDPA and 3% higher in loss after 200 steps. docs/attention.md says
+what runs, what is logged, and why its scaling state is not checkpointed.
 """
 
 from __future__ import annotations
@@ -97,7 +66,7 @@ class FP8AttentionSettings:
                    in_eval=plan.use_autocast_during_eval, **delayed)
 
     def recipe_arguments(self) -> Dict[str, Any]:
-        """The arguments of TE's DelayedScaling (fp8_dpa=True is added by _te_attention)."""
+        """The arguments of TE's DelayedScaling (fp8_dpa=True is added by fp8plug.backends.te.attention)."""
         return dict(fp8_format=self.fp8_format, margin=self.margin, amax_history_len=self.amax_history_len,
                     amax_compute_algo=self.amax_compute_algo, reduce_amax=self.reduce_amax)
 
@@ -106,7 +75,10 @@ DEFAULT_SETTINGS = FP8AttentionSettings()
 # id(config) -> (a weak reference to it, its settings): configs are unhashable. A module whose
 # config is not here (a deep copy of a converted model) runs with DEFAULT_SETTINGS.
 _SETTINGS: Dict[int, Tuple[weakref.ref, FP8AttentionSettings]] = {}
-# attention module -> {shape and settings: its TE attention, or the reason TE could not be built}
+# attention module -> {shape and settings: its TE attention, or the reason TE could not be built}.
+# Kept beside the modules, not as submodules, so the model's state dict, checkpoints and deep copies
+# stay transformers' own (and the TE modules' scaling state is not checkpointed: a resumed run
+# starts again from TE's initial scale, 1.0).
 _RUNNERS: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, Any]]" = weakref.WeakKeyDictionary()
 _SDPA: Dict[str, Callable] = {}  # transformers' SDPA function, looked up once at registration
 _logged: set = set()
@@ -191,7 +163,7 @@ def fp8_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           is_causal: Optional[bool] = None, **kwargs) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function contract (as its sdpa_attention_forward): query [B, H, T, D],
     key and value [B, Hkv, S, D] -> ([B, T, H, D], None). TE's FP8 attention where it applies
-    (the module doc), transformers' SDPA function otherwise."""
+    (where `why_sdpa` finds no reason against it), transformers' SDPA function otherwise."""
     if torch.compiler.is_compiling():
         _note_compiled()
     else:
@@ -307,7 +279,7 @@ def _describe(module: nn.Module, query, key) -> str:
 
 
 def fp8_attention_modules(model: nn.Module) -> Dict[str, Any]:
-    """The TE attention objects (backends._te_attention.TEAttention) created for `model`'s modules,
+    """The TE attention objects (fp8plug.backends.te.attention.TEAttention) created for `model`'s modules,
     by module name (with a shape suffix where one module ran several): each has `calls`, the FP8
     calls it ran, and `dpa`, TE's module. Empty where FP8 attention never ran."""
     found = {}

@@ -1,17 +1,9 @@
 """Processes launched on a machine without GPUs join one another, as they do on GPUs.
 
 accelerate (1.15) gives launched processes a process group only where it finds an accelerator
-device, or where `cpu=True` (or `use_cpu: true`) says to run on the CPU. Without either, every
-process counts itself as the only one and trains alone, and the launch still ends with rc 0.
-`cpu=True` is no cure under DeepSpeed: accelerate then drops DeepSpeed without a word and runs
-plain DDP. So, before accelerate.Accelerator.__init__, `join_cpu_processes`:
-
-- refuses `cpu=True` / `use_cpu: true` beside a DeepSpeed config (it would be ignored);
-- under DeepSpeed, asks for the gloo process group that DeepSpeed then runs on;
-- otherwise sets `cpu=True`, accelerate's own way to join CPU processes over gloo (MULTI_CPU).
-
-Nothing changes where torch sees an accelerator device, where the script runs as one process,
-or where the script chose a process-group backend itself.
+device or `cpu=True` says to run on the CPU; otherwise each trains alone and the launch still
+succeeds, and `cpu=True` under DeepSpeed makes accelerate drop DeepSpeed. `join_cpu_processes`
+fixes the Accelerator's arguments before accelerate.Accelerator.__init__ (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -25,7 +17,11 @@ from fp8plug.integrations.launch_env import deepspeed_requested, env_flag
 
 
 def join_cpu_processes(arguments: dict, handlers: list) -> None:
-    """Adjust accelerate.Accelerator's `arguments` and `handlers` (in place) as the module doc says."""
+    """Adjust accelerate.Accelerator's `arguments` and `handlers` (in place): refuse `cpu=True` /
+    `use_cpu: true` beside a DeepSpeed config (it would be ignored); under DeepSpeed, ask for the
+    gloo process group DeepSpeed then runs on; otherwise set `cpu=True`, accelerate's own way to
+    join CPU processes over gloo (MULTI_CPU). Nothing changes where torch sees an accelerator
+    device, where the script runs as one process, or where it chose a process-group backend."""
     cpu = bool(arguments.get("cpu")) or env_flag("ACCELERATE_USE_CPU")
     deepspeed = deepspeed_requested(arguments)
     if deepspeed and cpu:

@@ -1,31 +1,11 @@
 """DeepSpeed ZeRO (stages 1, 2 and 3) under fp8plug.Accelerator.
 
-Accelerate hands a model to `deepspeed.initialize`, which casts its parameters to bf16, wraps the
-optimizer in a ZeRO optimizer and, at stage 3, partitions the parameters across ranks. fp8plug's
-`prepare()` converts the model before that happens (as for DDP and FSDP2), so DeepSpeed sees, casts
-and partitions the FP8 modules' own parameters. Three things differ from DDP, and this module
-handles them:
-
-- The end of a step. DeepSpeed's ZeRO optimizers replace the parameter groups of the torch
-  optimizer with flat partitions and call its `step()` once per group (stages 1 and 2) or per
-  sub-group (stage 3). A torch optimizer step hook therefore fires several times per step, and
-  never with the model's own parameters, so delayed scaling (amax reduction across ranks, scale
-  update) would run never or several times. Here the DeepSpeed engine's `step()` is wrapped
-  instead: when it applied an optimizer step (its `global_steps` advanced), the FP8 engine's
-  end-of-step work runs once (fp8plug.backends.steps.end_step).
-- Combinations that cannot work are refused before anything is built: each engine says why in
-  `Engine.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
-  construction by `deepspeed.zero.Init` is asked about too; the engines that ship convert it by
-  taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
-- A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
-  the FP8 GEMMs in bf16, and accelerate's own message would name bf16, which the user never set.
-- On a machine without GPUs, launched processes must be joined over gloo without `cpu=True`,
-  which would make accelerate drop DeepSpeed (fp8plug.integrations.cpu_processes); `check_processes` refuses
-  a process state that was set up earlier without a backend and counts one of several ranks.
-
-Checkpoints need nothing extra: DeepSpeed's `save_checkpoint` reads the module's state dict, which
-fp8plug keeps the plain architecture's, and the FP8 scaling state travels beside it as a registered
-checkpointing object (fp8plug.checkpoints.state).
+`prepare()` converts the model before `deepspeed.initialize`, as for DDP and FSDP2, so DeepSpeed
+casts and partitions the FP8 modules' own parameters. What differs from DDP is handled here: the
+step's end is hooked on the DeepSpeed engine's `step()` (ZeRO steps the torch optimizer once per
+flat partition, never with the model's parameters), and what cannot work (an engine's
+`deepspeed_problem`, an fp16 config, a launch whose ranks do not count one another) is refused
+before anything is built. Checkpoints need nothing extra. See docs/distributed.md.
 """
 
 from __future__ import annotations

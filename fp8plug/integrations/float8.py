@@ -1,33 +1,11 @@
 """Float8 training entry points shaped like OLMo-core's and like torchao's own, on fp8plug engines.
 
-OLMo-core's shape: `Float8Config(ao=..., ao_recipe=..., ao_mx=..., modules_to_ignore=..., enabled=...)`
-and `Float8Config.apply_float8_linear(model, modules_to_ignore=...)`, served by the `ao` engine
-(torchao Float8Linear, or torchao's MXFP8 training for `ao_mx`).
-
-torchao's seed shape (its float8 README before 0.10): `convert_to_float8_training(model,
-module_filter_fn=..., config=...)` with a `Float8TrainingConfig` of per-tensor
-`Float8CastConfig(scaling_type=Float8ScalingType.DYNAMIC | DELAYED)` (fp8plug.integrations.float8_training),
-plus `sync_float8_amax_and_scale_history` and `precompute_float8_dynamic_scale_for_fsdp`.
-All-dynamic configs run on torchao (the `ao` engine); torchao removed delayed scaling in 0.10, so
-a config with any DELAYED tensor runs on fp8plug's native engine, which keeps
-TransformerEngine-style amax histories per tensor.
-
-One conversion path: each entry point only translates its config into an FP8RecipeKwargs
-(`Float8Config.to_recipe`, `Float8TrainingConfig.to_recipe`, or `ao_config=` for a whole torchao
-config) and hands it to fp8plug.convert_model, so it is checked against the engine, given the
-speed filter where the recipe asks for it (`auto_filter`, e.g. FP8PLUG_AUTO_FILTER=true),
-converted under fp8plug's shared rules (fp8plug.layers.rules: exact nn.Linear only, in and out
-features divisible by 16, an already compiled or sharded model refused) and logged in one line,
-exactly as a recipe given to convert_model or fp8plug.Accelerator. Converted layers run FP8 in
-training mode and high precision in eval mode, as with every fp8plug engine; use the engine's
-autocast (`fp8plug.get_backend("ao").autocast(recipe, enabled=True)`) to evaluate in FP8.
-
-Renamed: `ScalingType`, `CastConfig` and `Float8LinearConfig` were fp8plug classes that shadowed
-torchao's own names; they are `Float8ScalingType`, `Float8CastConfig` and `Float8TrainingConfig`.
-The old names still import from here, with a DeprecationWarning (torchao's README code relies on
-them), and will be removed. The functions `convert_to_float8_training` and
-`precompute_float8_dynamic_scale_for_fsdp` keep torchao's names on purpose: they take torchao's
-arguments, so code written for torchao.float8 runs with its import changed.
+OLMo-core's `Float8Config(...).apply_float8_linear(model)` runs on the `ao` engine; torchao's older
+`convert_to_float8_training(model, config=Float8TrainingConfig(...))` on torchao where every tensor
+is dynamic and on the native engine where one is DELAYED (torchao dropped delayed scaling in 0.10).
+Each entry point only turns its config into an FP8RecipeKwargs and calls fp8plug.convert_model, so
+conversion takes the one path every recipe takes. The functions keep torchao's names and arguments
+on purpose, so torchao code runs with its import changed. docs/ao.md has the details.
 """
 
 from __future__ import annotations
@@ -362,7 +340,9 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> None:
 
 # --- the old names ----------------------------------------------------------------------------------
 
-# fp8plug's classes that used to carry torchao's own names (see the module doc)
+# fp8plug's classes that used to carry torchao's own names, so that two different classes answered
+# to one name; the old names still import (torchao's README code uses them), with a warning, and
+# will be removed
 _RENAMED = {"ScalingType": "Float8ScalingType", "CastConfig": "Float8CastConfig",
             "Float8LinearConfig": "Float8TrainingConfig"}
 

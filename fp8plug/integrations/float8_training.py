@@ -1,17 +1,10 @@
 """The config of `fp8plug.integrations.float8.convert_to_float8_training`, and the FP8RecipeKwargs it stands for.
 
-torchao's float8 README from before torchao 0.10 (the "seed" shape fp8plug.integrations.float8 follows) gives
-`convert_to_float8_training` a `Float8LinearConfig` of per-tensor `CastConfig(scaling_type=
-ScalingType.DYNAMIC | DELAYED)`. torchao has since dropped DELAYED, so fp8plug keeps its own
-classes for that vocabulary. They used to be named exactly like torchao's (`ScalingType`,
-`CastConfig`, `Float8LinearConfig`), so two different classes answered to one name and a torchao
-config and fp8plug's could be told apart only by module. They are now `Float8ScalingType`,
-`Float8CastConfig` and `Float8TrainingConfig`; fp8plug.integrations.float8 still answers the old names, with a
-DeprecationWarning, so the README's code keeps running with one import changed.
-
-`Float8TrainingConfig.to_recipe` is the whole translation: it says which engine serves the
-config and with which FP8RecipeKwargs fields, so conversion takes the same path as
-fp8plug.convert_model (recipe check, speed filter, conversion, the log line; api.py).
+torchao's float8 README from before 0.10 configures per-tensor `CastConfig(scaling_type=DYNAMIC |
+DELAYED)`; torchao has since dropped DELAYED, so fp8plug keeps that vocabulary in its own classes,
+named apart from torchao's: `Float8ScalingType`, `Float8CastConfig`, `Float8TrainingConfig`.
+`Float8TrainingConfig.to_recipe` is the whole translation: which engine serves the config, with
+which FP8RecipeKwargs fields, so conversion takes fp8plug.convert_model's path.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Low-precision optimizer states for every engine, through torchao's low-bit Adam and AdamW.
 
-Why: Adam keeps two fp32 moments, 8 bytes per parameter, twice the fp32 weights themselves.
-MS-AMP's opt_level O2 exists to shrink them (FP8 first moment, FP16 second moment), but MS-AMP
-cannot be installed on current stacks. torchao, which is maintained, ships Adam/AdamW whose
-states are block-wise quantized: "fp8" (both moments in float8 e4m3, one scale per 256 values),
-"8bit" and "4bit" (dynamic-tree quantization as in bitsandbytes, 256- and 128-value blocks).
-
-Opt-in only: `FP8RecipeKwargs.optimizer_states` (or FP8PLUG_OPTIMIZER_STATES) asks for it, and
-only an exact torch.optim.Adam or AdamW is replaced; `opt_level` never changes a user's optimizer.
-
-What carries over to the replacement: the param groups themselves (the same dicts, so an LR
-scheduler built on the old optimizer drives the new one), and each group's lr, betas, eps,
-weight_decay and amsgrad. What cannot (maximize, capturable, differentiable) is refused;
-foreach and fused only choose a kernel, which torchao's compiled per-parameter step replaces.
-
-Good to know: torchao quantizes the states of parameters with at least 4096 elements whose count
-is a multiple of the block size; smaller ones (biases, norms) keep fp32 states. Its step is
-compiled with torch.compile, one compile per parameter shape, so the first step is slow. It keeps
-each group's lr as a tensor (torch's LR schedulers fill it in place; set it with
-`group["lr"].fill_(value)`, not by assignment).
+Adam keeps two fp32 moments, 8 bytes a parameter. MS-AMP's opt_level O2 shrank them but does not
+install on current stacks; torchao's Adam/AdamW keep them block-quantized ("fp8", "8bit", "4bit").
+Opt-in only (`FP8RecipeKwargs.optimizer_states`), and only an exact torch Adam or AdamW is
+replaced, keeping its param groups (an LR scheduler built on it drives the replacement); what
+cannot carry over is refused. Details and caveats: docs/msamp.md.
 """
 
 from __future__ import annotations
@@ -40,6 +26,8 @@ _TORCHAO_CLASSES: Dict[tuple, str] = {
 }
 # torch.optim options the replacement cannot honour when set: name -> value that is fine
 _REFUSED = {"maximize": False, "capturable": False, "differentiable": False}
+# carried over to the replacement; foreach and fused only choose a kernel, which torchao's compiled
+# per-parameter step replaces
 _CARRIED = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 

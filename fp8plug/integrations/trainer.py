@@ -1,21 +1,11 @@
 """Hugging Face `transformers.Trainer` training in FP8 with any fp8plug engine.
 
-Trainer builds its own `accelerate.Accelerator` inside `create_accelerator_and_postprocess`, from
-`TrainingArguments`, which cannot carry a kwargs handler. `FP8TrainerMixin` has Trainer build
-`fp8plug.Accelerator` there instead, with mixed precision "fp8" and the recipe given as
-`fp8_recipe=` (or read from `accelerate launch`'s environment), and leaves everything else to the
-Trainer class it is mixed into. From then on the Accelerator does the FP8 work: `prepare` converts
-the model before DDP/FSDP2 wrapping, training runs the converted Linears in FP8 and the rest in
-bf16, and eval mode runs in high precision (unless the recipe's `use_autocast_during_eval`).
-
-What the mixin adds to Trainer's own checkpoints: each checkpoint folder also holds
-`fp8_state.pt`, the engine's FP8 scaling state (amax histories, scales), written beside the
-optimizer state by the main process and put back after `prepare` on `resume_from_checkpoint`,
-so a resumed run continues exactly. The model files stay the plain architecture's
-(`save_pretrained`, safetensors, tied weights kept): they load with `from_pretrained` into the
-unconverted model.
-
-transformers is imported only when this module is, never by `import fp8plug`.
+Trainer builds its own `accelerate.Accelerator` from `TrainingArguments`, which cannot carry a
+kwargs handler. `FP8TrainerMixin` has it build `fp8plug.Accelerator` instead, with the recipe given
+as `fp8_recipe=` (or read from `accelerate launch`'s environment), and leaves the rest to the
+Trainer class it is mixed into. Each checkpoint folder also holds `fp8_state.pt`, the FP8 scaling
+state, put back on `resume_from_checkpoint`; the model files stay the plain architecture's.
+transformers is imported only when this module is, never by `import fp8plug`. See docs/trainer.md.
 """
 
 from __future__ import annotations

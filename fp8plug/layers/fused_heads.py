@@ -1,30 +1,11 @@
 """Finding the Linear layers whose weight a fused loss reads directly, so conversion leaves them alone.
 
-Why: two common patches replace a causal LM's forward with one that, in training, hands
-`lm_head.weight` to a fused op computing the logits chunk by chunk and the loss (or per-token
-log-probabilities) without materialising the logits, and never calls `lm_head`'s forward:
-
-- liger-kernel's `apply_liger_kernel_to_<model>(fused_linear_cross_entropy=True)` (its default,
-  and what transformers' `TrainingArguments(use_liger_kernel=True)` applies): the forward is
-  `lce_forward` from `liger_kernel.transformers.model.<model>`, which calls
-  LigerFusedLinearCrossEntropy with `self.lm_head.weight` when labels are given in training;
-- TRL's `add_fused_lm_head` (trl >= 1.x; its SFT, DPO, GRPO, KTO and RLOO trainers add it in
-  their constructor and call the model with `fused_lm_head=True`): the forward is TRL's
-  `_fused_forward`, which passes `get_output_embeddings().weight` to its chunked log-prob op.
-
-An FP8 module put at the head would never run: the head would train in high precision while the
-conversion report, the GEMM counters and the memory of FP8 weights said otherwise. So the head is
-left unconverted and reported by name (fp8plug.layers.rules.plan_conversion). Everything else these
-patches touch stays convertible: LigerSwiGLUMLP keeps gate_proj / up_proj / down_proj as
-nn.Linear and calls them as modules (only the SiLU-and-multiply between them is Liger's kernel),
-and LigerRMSNorm and Liger's RoPE hold no GEMM.
-
-Found by the signal itself, never by importing liger_kernel or trl (liger needs triton, which
-most machines lack): a module whose forward, bound on the instance (`apply_...(model=m)`, the
-trainers) or on its class (`apply_...()`), is a function defined in one of those packages (by its
-`__module__`, or its globals' module where functools.wraps copied another `__module__`, as TRL's
-does), and which holds an output head (`lm_head`, else what `get_output_embeddings()` returns).
-Wrappers that keep `__wrapped__` or `__func__` (functools.wraps, bound methods) are looked through.
+Liger's fused linear cross-entropy (`apply_liger_kernel_to_<model>`, also through
+`TrainingArguments(use_liger_kernel=True)`) and TRL's fused LM head (`add_fused_lm_head`, in its
+trainers) replace a causal LM's forward with one that hands `lm_head.weight` to a fused op and
+never calls `lm_head`. An FP8 module there would never run while the report and the GEMM counters
+said FP8, so the head is left unconverted and reported by name (fp8plug.layers.rules). Found from
+the forward function's own module, never by importing liger_kernel or trl. See docs/liger.md.
 """
 
 from __future__ import annotations
@@ -60,7 +41,12 @@ def _origins(fn) -> Tuple[str, ...]:
 
 
 def fused_forward(module: nn.Module) -> Optional[Tuple[str, str]]:
-    """(package, function name) of the fused-loss forward `module` runs (FUSERS), or None."""
+    """(package, function name) of the fused-loss forward `module` runs (FUSERS), or None.
+
+    The forward is looked up bound on the instance (`apply_...(model=m)`, the trainers), then on the
+    class (`apply_...()`); its package is read from its `__module__`, or from its globals' module
+    where functools.wraps copied another `__module__` (as TRL's does), through bound methods and
+    `__wrapped__` layers."""
     for fn in (module.__dict__.get("forward"), getattr(type(module), "forward", None)):
         for _ in range(16):  # unwrap bound methods and functools.wraps layers
             if fn is None:

@@ -1,27 +1,10 @@
 """Per-layer GEMM counters: which calls of each converted Linear ran in FP8 and which did not.
 
-Why: an FP8 run can silently be a high-precision run. A layer an engine leaves alone, a region
-that turns FP8 off, an input the GEMM cannot take: nothing fails, the loss looks fine, and the
-speed-up is gone. So each converted nn.Linear counts its forward calls in two bins, FP8 and high
-precision, and `fp8_coverage(model)` reads them back (fp8plug.coverage logs the line at conversion).
-
-How the count stays cheap and torch.compile-friendly: the counts live in a non-persistent int64
-buffer of two elements on the layer's device (`fp8plug_gemm_counts`: FP8, high precision),
-incremented in place by a forward pre-hook, so a compiled graph mutates a buffer like any other
-(no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
-left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
-the converted root). Whether a call runs in FP8 is the engine's answer
-(`Engine.runs_fp8(module, input)`, where `Engine.counts_gemms`); an engine that does not say gets no counter.
-
-What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
-the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
-plus any eval-mode call that runs in FP8. Eval-mode calls in high precision, the default eval
-policy, are not counted. A forward recomputed by activation checkpointing is counted once. The
-counts are this process's own; they restart with the process.
-
-Conversion (fp8plug.layers.rules) installs a counter on every Linear it converts; this module imports
-nothing of fp8plug's but ddp_buffers, and finds engines through the lookup the registry hands it
-(`use_engine_lookup`), so it sits below conversion, the engines and the registry.
+An FP8 run can silently be a high-precision run (a layer left alone, a region that turns FP8 off,
+an input the GEMM cannot take): nothing fails and the speed-up is gone. So each converted
+nn.Linear counts its forward calls in two bins, FP8 and high precision, as its engine answers
+(`Engine.runs_fp8`), and `fp8_coverage(model)` reads them back. What a call is, and what is not
+counted: docs/troubleshooting.md, "Is it really FP8?".
 """
 
 from __future__ import annotations
@@ -33,6 +16,11 @@ from torch import nn
 
 from fp8plug.layers.ddp_buffers import ignore_in_ddp
 
+# The counts live in a non-persistent int64 buffer of two elements on the layer's device, added to
+# in place by a forward pre-hook: a compiled graph mutates it like any buffer (no Python state, no
+# recompiles), eagerly it is one tiny kernel a call. It is left out of the state dict and of DDP's
+# buffer broadcast. This module imports nothing of fp8plug's but ddp_buffers and finds engines
+# through the lookup the registry hands it, so it sits below conversion, the engines and the registry.
 COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
 FP8, HIGH_PRECISION = 0, 1
 
@@ -141,8 +129,9 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
 
         {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
 
-    counted per forward call since conversion (or the last reset; see the module doc for what
-    counts). `reset=True` zeroes the counts after reading them, e.g. once per logging interval.
+    counted per forward call since conversion or the last reset (what counts as a call:
+    docs/troubleshooting.md). `reset=True` zeroes the counts after reading them, e.g. once per
+    logging interval.
     Reading costs one device synchronisation. A model with no counted layer gives zeros and {}.
     """
     model = _unwrap(model)

@@ -1,27 +1,11 @@
 """Which modules an engine converts, written once for every engine, and the report of it.
 
-The rules: a module must be of a kind the engine converts (nn.Linear exactly, and for some engines
-the norms); an nn.Linear needs in and out features divisible by 16 (FP8 GEMMs need aligned
-operands); `modules_to_ignore` names modules by fully-qualified name (a name that matches nothing
-is an error, since it is almost always a typo); `module_filter_fn(module, fqn)` may veto any
-module (a filter with a `skip_reason(fqn)` method, like the automatic roofline filter, words the
-reason itself). A skipped module never stops its siblings from converting.
-
-nn.MultiheadAttention is reported, never converted: F.multi_head_attention_forward computes its
-Q/K/V and output projections from the bare weights (in_proj_weight, out_proj.weight) without
-calling a Linear module, so an FP8 module put there would never run.
-
-A module registered under several names (`m.a = m.b = linear`) is one module: it is planned once,
-under its first name, and its replacement is put under every name (`module_paths`,
-`replace_module`), so no name keeps running the old module in high precision.
-
-An output head whose weight a fused loss reads directly (Liger's fused linear cross-entropy after
-`apply_liger_kernel_to_<model>`, TRL's fused LM head in its trainers) is reported, never converted,
-for the same reason as attention's projections: its forward never runs in training
-(fp8plug.layers.fused_heads finds it).
-
-Every converted nn.Linear also gets fp8plug's GEMM counter (fp8plug.layers.gemm_counts), so what ran in
-FP8 can be read back while training; conversion knows nothing of logging or the engine registry.
+A module converts if it is of a kind the engine converts (exact nn.Linear; for some engines the
+norms), an nn.Linear has in and out features divisible by 16, `modules_to_ignore` does not name it
+(a name matching nothing is an error: almost always a typo) and `module_filter_fn` does not veto
+it; one skipped module never stops its siblings. Reported, never converted, since their forward
+never runs: nn.MultiheadAttention's projections and a head a fused loss reads (layers.fused_heads).
+Each converted Linear gets a GEMM counter (layers.gemm_counts). User reference: docs/recipe.md.
 """
 
 from __future__ import annotations
@@ -295,7 +279,7 @@ def plan_conversion(
 
 
 def _attention_modules(model: nn.Module) -> Dict[str, str]:
-    """fqn -> why, for every nn.MultiheadAttention and its out_proj (see the module doc)."""
+    """fqn -> why, for every nn.MultiheadAttention and its out_proj (MHA_NOTE says why)."""
     found = {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):

@@ -1,30 +1,11 @@
 """The automatic layer filter: keep in bf16 the Linears where FP8 would be slower.
 
-Why: FP8 halves GEMM time but adds casts (amax, scale, cast, transpose) whose cost grows with
-M*K + K*N + M*N, not with M*K*N, plus a fixed per-layer cost. For small K or N the casts and
-that cost outweigh the GEMM saving and an FP8 layer is slower than bf16. A roofline-style cost
-model says which side of that line a layer falls on:
-
-    t(M, K, N) = sum over the 3 GEMMs of max(flops / peak, bytes / bandwidth)
-                 + cast bytes / bandwidth   (FP8 only)
-                 + overhead
-
-for bf16 and for each FP8 engine, with peak, bandwidth and overhead fitted by fp8plug.tuning.roofline_fit.calibrate to
-`fp8plug bench --shapes sweep` GPU times (queued timing: the GPU's own time, as inside a model).
-fp8plug ships the fit from an H200 (`SM90`, used on compute capability 9.0: H100 and H200).
-
-It is on by default there: FP8RecipeKwargs(auto_filter=None) applies it on an sm_90 GPU for
-native, ao and te (tokens: `auto_filter_tokens`, default 8192 per GPU per step), keeping a Linear
-in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP), and nowhere else;
-auto_filter=False turns it off, True asks for it (an error where no constants exist).
-Every Linear it keeps in bf16 is in the ConversionReport with its predicted speed-up. By hand:
-
-    from fp8plug.tuning.roofline import explain, make_module_filter
-    print(explain(model, "native", tokens=batch * seq_len))
-    FP8RecipeKwargs(backend="native", auto_filter=False,
-                    module_filter_fn=make_module_filter("native", tokens=batch * seq_len))
-
-The model is deliberately small: it only has to rank bf16 against FP8 for one layer at a time.
+FP8 halves GEMM time but adds casts whose cost grows with M*K + K*N + M*N, not M*K*N, plus a fixed
+cost per layer, so a layer with a small K or N can be slower in FP8. A roofline-style cost model
+(`predict_ms`), fitted to `fp8plug bench --shapes sweep` times (fp8plug.tuning.roofline_fit; `SM90`,
+fitted on an H200, serves H100 and H200), predicts each Linear's speed-up, and the filter keeps a
+layer in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP). On by default on those
+GPUs (`FP8RecipeKwargs.auto_filter`); `explain` and `make_module_filter` use it by hand (docs/recipe.md).
 """
 
 from __future__ import annotations
@@ -107,7 +88,13 @@ def linear_terms(m: int, k: int, n: int, fp8: bool) -> Tuple[List[Tuple[float, f
 
 
 def predict_ms(m: int, k: int, n: int, costs: Costs, fp8: bool) -> float:
-    """Predicted milliseconds for one Linear forward+backward at M tokens, K in, N out features."""
+    """Predicted milliseconds for one Linear forward+backward at M tokens, K in, N out features:
+
+        t(M, K, N) = sum over the 3 GEMMs of max(flops / peak, bytes / bandwidth)
+                     + cast bytes / bandwidth   (FP8 only)
+                     + overhead
+
+    The model is deliberately small: it only has to rank bf16 against FP8 for one layer at a time."""
     terms, cast = linear_terms(m, k, n, fp8)
     peak, bw = costs.peak_tflops * 1e12, costs.bandwidth_gbs * 1e9
     seconds = sum(max(f / peak, b / bw) for f, b in terms) + cast / bw + costs.overhead_us * 1e-6

@@ -1,16 +1,12 @@
 """Fitting fp8plug.tuning.roofline's cost model to measurements, offline: from the rows `fp8plug bench
 --shapes sweep --json` wrote to a Costs per engine (and bf16), and to and from a constants file.
 
-Why a separate module: the filter that runs at conversion time (fp8plug.tuning.roofline) only reads fitted
-constants (SM90 ships the fit from an H200); fitting is done once per GPU type, by hand or by a
-benchmark script:
+Kept apart from the filter, which only reads fitted constants (`SM90` ships the fit from an H200);
+fitting is done once per GPU type, and the result passed as a module filter (docs/recipe.md):
 
-    from fp8plug.tuning.roofline import make_module_filter
-    from fp8plug.tuning.roofline_fit import calibrate, load_bench, save_constants
     constants = calibrate(load_bench("bench_sweep.json"))
     save_constants(constants, "my_gpu.json")
-    FP8RecipeKwargs(backend="native", auto_filter=False,
-                    module_filter_fn=make_module_filter("native", tokens=8192, constants=constants))
+    module_filter_fn = fp8plug.tuning.roofline.make_module_filter("native", tokens=8192, constants=constants)
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The `ao` engine: torchao float8 training under fp8plug's shared conversion rules.
 
-fp8plug decides which modules convert (convert.plan_conversion: exact nn.Linear, aligned shapes,
-modules_to_ignore, module_filter_fn) and hands exactly those names to torchao's
-`convert_to_float8_training`, which builds its Float8Linear modules (dynamic scaling: tensorwise,
-rowwise, rowwise_with_gw_hp, or any torchao Float8LinearConfig). FP8RecipeKwargs is mapped where
-torchao has the concept (AOPlan, made once per selection): fp8_format picks the grad_output dtype,
-override_linear_precision turns one GEMM's operand casts off (ScalingType.DISABLED); the
-delayed-scaling fields are not honoured (torchao removed delayed scaling in 0.10), so setting
-one warns (fp8plug.recipe.plans).
-
-Each converted module is then given fp8plug's class `AOFloat8Linear`, a Float8Linear whose only
-change is its forward. First, the choice between torchao's FP8 path and a plain high-precision
-F.linear: FP8 inside an enabled FP8 region, high precision inside a disabled one, and outside any
-region FP8 in training mode only (eval in high precision, as for every engine). That choice reads a
-flag and `self.training`, so torch.compile guards on it and recompiles, never graph-breaks. Second,
-a frozen weight (requires_grad False, e.g. PEFT LoRA's base_layer) in high precision runs
-fp8plug's own autograd Function (backends._ao_frozen): the same casts and GEMMs as torchao for the
-output and the input gradient, bit for bit, but no weight-gradient casts or GEMM and no input kept
-for backward. A frozen weight needs no gradient, and torchao 0.18's Function always computes it.
-A weight FSDP2's float8 all-gather has already cast keeps torchao's path. Token
-counts an FP8 GEMM cannot take (not a multiple of 16; 32 for MXFP8) run in FP8 all the same:
-the token dimension is zero-padded on the way in and sliced on the way out (backends.padding),
-except where torchao needs no alignment (emulate) or pads itself (pad_inner_dim).
-
-MXFP8 training (torchao's prototype MXFP8TrainingOpConfig, sm_100 or emulated) is offered through
-a recipe whose `ao_config` is such a config, as fp8plug.integrations.float8.Float8Config(ao_mx=...) builds. The
-configs themselves are built in fp8plug.backends.ao.config. torchao is imported only when used, so this
-module imports (and probes) where torchao is absent.
+fp8plug decides which modules convert (fp8plug.layers.rules) and hands exactly those names to
+torchao's `convert_to_float8_training`; the recipe becomes a torchao config where torchao has the
+concept (AOPlan; configs built in fp8plug.backends.ao.config). Each converted module becomes
+`AOFloat8Linear`, torchao's Float8Linear with fp8plug's forward: the eval policy of every engine,
+FP8 at any token count (backends.padding), and no weight-gradient work for a frozen weight
+(backends.ao.frozen). torchao is imported only when used. See docs/ao.md.
 """
 
 from __future__ import annotations
@@ -76,7 +55,7 @@ NO_OVERRIDE = (False, False, False)
 
 
 def _fp8_now(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `module` runs its FP8 path for input `x` (see the module doc): the FP8 region's
+    """Whether `module` runs its FP8 path for input `x` (see AOFloat8Linear): the FP8 region's
     choice, else the training flag; an empty input runs in high precision."""
     return fp8_now(module.training) and token_count(x) > 0
 
@@ -100,10 +79,16 @@ def _float8_linear_class():
     from fp8plug.backends.ao.frozen import frozen_forward, takes_frozen_path
 
     class AOFloat8Linear(Float8Linear):
-        """torchao's Float8Linear with fp8plug's choice of when to run FP8 (see fp8plug.backends.ao.engine),
-        and no weight-gradient work for a frozen weight.
+        """torchao's Float8Linear with fp8plug's choice of when to run FP8, and no weight-gradient
+        work for a frozen weight.
 
-        Its state (parameters, config, state-dict keys) is exactly torchao's; only `forward` differs.
+        FP8 inside an enabled FP8 region, plain F.linear inside a disabled one, and outside any
+        region FP8 in training mode only. The choice reads a flag and `self.training`, so
+        torch.compile guards on it and recompiles, never breaks the graph. Token counts an FP8 GEMM
+        cannot take are zero-padded, except where torchao needs no alignment (emulate) or pads
+        itself (pad_inner_dim). A weight FSDP2's float8 all-gather has already cast keeps
+        torchao's path. Its state (parameters, config, state-dict keys) is exactly torchao's; only
+        `forward` differs.
         """
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -114,7 +99,7 @@ def _float8_linear_class():
 
         def _fp8_forward(self, input: torch.Tensor) -> torch.Tensor:
             """torchao's FP8 forward; for a frozen weight, the same casts and GEMMs without the
-            weight gradient's (backends._ao_frozen)."""
+            weight gradient's (backends.ao.frozen)."""
             if takes_frozen_path(self.weight):
                 return frozen_forward(self, input)
             return super().forward(input)

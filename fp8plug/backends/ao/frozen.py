@@ -1,24 +1,10 @@
-"""The ao engine's FP8 linear for a frozen weight (private to backends/ao.py).
+"""The ao engine's FP8 linear for a frozen weight (private to fp8plug/backends/ao/engine.py).
 
-Why it exists: torchao 0.18's Float8Linear runs its autograd Function
-`matmul_with_hp_or_float8_args`, whose backward always computes the weight gradient: it casts
-grad_output and the input for it, runs the weight-gradient GEMM, and keeps the input alive from
-forward to backward to do so, even when the weight has requires_grad False (PEFT LoRA's
-`base_layer`). A frozen weight needs no gradient, so for one `FrozenWeightFloat8Matmul` below does
-only what the output and the input gradient need:
-
-- forward: the same two casts as torchao (input and weight, each per its cast config: dynamic
-  scaling, tensorwise or axiswise, power-of-2 scales; none where the config says DISABLED or the
-  tensor is float8 already) and the same FP8 GEMM, so the output is torchao's, bit for bit;
-- saved for backward: the weight only (a view of the Parameter, no new memory), not the input;
-- backward: grad_output cast with `cast_config_grad_output`, the weight with
-  `cast_config_weight_for_grad_input`, one GEMM for grad_input (torchao's, bit for bit), and no
-  gradient for the weight.
-
-Only torchao's casting helpers and its Float8TrainingTensor's `torch.mm` are used, so the GEMM
-configs (emulate, fast accumulation, pad_inner_dim) are the module's own. The Function is marked
-`torch._dynamo.allow_in_graph`, as torchao's is, so torch.compile keeps it in one graph. This
-module imports torchao; ao.py imports it only once torchao is in use.
+torchao 0.18's Float8Linear always computes the weight gradient in backward (casting grad_output
+and the input for it, and keeping the input from forward), even for a weight with requires_grad
+False, such as PEFT LoRA's `base_layer`. `FrozenWeightFloat8Matmul` does only what the output and
+the input gradient need, with torchao's own casts and GEMMs, so both are torchao's bit for bit.
+This module imports torchao; the engine imports it only once torchao is in use.
 """
 
 from __future__ import annotations
@@ -52,7 +38,15 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @torch._dynamo.allow_in_graph
 class FrozenWeightFloat8Matmul(torch.autograd.Function):
-    """input @ weight_t in FP8, for a weight that takes no gradient (see the module doc)."""
+    """input @ weight_t in FP8, for a weight that takes no gradient.
+
+    Forward: torchao's two casts (input and weight, each per its cast config; none where the config
+    says DISABLED or the tensor is float8 already) and its FP8 GEMM. Saved for backward: the weight
+    only (a view of the Parameter), not the input. Backward: grad_output cast with
+    `cast_config_grad_output`, the weight with `cast_config_weight_for_grad_input`, one GEMM for
+    grad_input, no weight gradient. Only torchao's casting helpers and its tensor's `torch.mm` are
+    used, so the GEMM settings (emulate, fast accumulation, pad_inner_dim) are the module's own.
+    Marked allow_in_graph, as torchao's Function is, so torch.compile keeps it in one graph."""
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight_t: torch.Tensor, mm_config, config):

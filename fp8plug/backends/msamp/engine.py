@@ -1,36 +1,11 @@
 """The `msamp` engine: Microsoft MS-AMP, driven through `msamp.initialize(model, optimizer, opt_level)`.
 
-MS-AMP is legacy. It is source-only, pins torch 2.1, TransformerEngine 1.1 and DeepSpeed 0.13.1,
-has been unmaintained upstream since 2024 and is deprecated by Accelerate, so as released it does
-not install on a current stack; scripts/build_msamp_kit.sh makes a kit that builds it from source
-for torch 2.11 / CUDA 13 with a small patch (docs/msamp.md). tests/cpu/test_msamp_contract.py checks
-this adapter against a stand-in of MS-AMP's documented surface (tests/support/fakes/msamp);
-tests/gpu/test_msamp_gpu.py trains with the real MS-AMP. For FP8 optimizer states without
-MS-AMP see fp8plug.integrations.optim.
-
-How MS-AMP differs from the other engines, and what this adapter does about it:
-
-- It converts inside `msamp.initialize`, model and optimizer together: every nn.Linear (subclasses
-  included) becomes its FP8Linear with an FP16 `ScalingTensor` weight, and the Adam/AdamW becomes
-  its LBAdam/LBAdamW. So `convert()` only plans, under fp8plug's shared rules, and marks each
-  Linear those rules leave alone with `use_fp32_linear = True`, the attribute MS-AMP's
-  LinearReplacer honours; `prepare()` then calls `msamp.initialize`.
-- opt_level "O1": FP8 GEMMs, FP8 weight gradients and FP8 all-reduce, fp32 optimizer states;
-  "O2" (default) adds the FP8 first moment and FP16 second moment. "O3" (FP8 weights with FP16
-  master weights) exists only inside MS-AMP's DeepSpeed integration and is refused here.
-- Eval: MS-AMP's FP8Linear has no high-precision mode, so eval runs FP8 GEMMs too, whatever
-  `use_autocast_during_eval` says; for high-precision eval, load `plain_state_dict` into an
-  unconverted copy of the model (or `unconvert` a copy).
-- DDP: importing msamp replaces torch's DistributedDataParallel with its FP8 version, which
-  all-reduces the FP8 weight gradients itself; under a DDP class captured before msamp was
-  imported those gradients are skipped, and MS-AMP's `optimizer.all_reduce_grads(model)` must run
-  before each step. `prepare()` registers that as a step pre-hook (a no-op under MS-AMP's DDP and
-  in one process), so no training loop has to call it.
-- Gradient clipping: torch.nn.utils.clip_grad_norm_ cannot read ScalingTensor gradients; use
-  `clip_grad_norm_` below (MS-AMP's own).
-- Checkpoints: the model's state dict carries ScalingTensor weights; after `prepare()` the
-  model's `state_dict()` (and `plain_state_dict`) give them as ordinary fp32 tensors under the
-  plain keys, and `load_state_dict` takes such plain tensors back.
+MS-AMP is legacy: as released it does not install on a current stack (scripts/build_msamp_kit.sh
+builds it for one). It converts model and optimizer together inside `msamp.initialize`, so
+`convert()` only plans, marking each Linear fp8plug's rules leave alone with MS-AMP's own opt-out
+(`use_fp32_linear`), and `prepare()` initializes. What differs from the other engines (eval in
+FP8, DDP gradient sync, clipping, plain checkpoints, no "O3") is in docs/msamp.md. For FP8
+optimizer states without MS-AMP see fp8plug.integrations.optim.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """How the native engine casts one GEMM operand to FP8: the scale (dynamic, or delayed scaling's),
-the FP8 copy and its transpose, by the eager CUDA kernel (backends._fused_cast) or by torch ops
+the FP8 copy and its transpose, by the eager CUDA kernel (backends.native.fused_cast) or by torch ops
 (which torch.compile fuses with the ops around them), and, eagerly, one cast for an input several
-layers read (backends._shared_input).
+layers read (backends.native.shared_input).
 
-A module of its own so that backends/native.py holds the layer and the engine; the rule itself
+A module of its own so that engine.py holds the layer and the engine; the rule itself
 is written here once, for the input and weight casts of forward and grad_output's in backward.
 """
 
@@ -22,11 +22,11 @@ def cast_operand(t, dtype, delayed, prev_scale, use_prev, margin, transposed=Tru
 
     Dynamic (`delayed` False): the scale is t's own amax's. Delayed: scaling.delayed_scale of
     `prev_scale`, `use_prev` (a bool tensor: the slot has had an update) and t's amax. A CUDA
-    tensor in eager execution is cast by backends._fused_cast (one pass for a delayed slot, two
+    tensor in eager execution is cast by backends.native.fused_cast (one pass for a delayed slot, two
     for a dynamic one, in four or three launches); everything else with torch ops, which
     torch.compile fuses with the ops around them. `source`: the layer input t was reshaped
     from; eagerly, a dynamic cast of an input other layers read too is made once for all of them
-    (backends._shared_input)."""
+    (backends.native.shared_input)."""
     shared = source is not None and not delayed and not torch.compiler.is_compiling()
     known_amax = None
     if shared:

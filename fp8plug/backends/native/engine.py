@@ -1,19 +1,11 @@
 """The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
 
-Eagerly on CUDA it also takes over transformers' Llama-style RMSNorms, running each as one
-Triton kernel a direction that hands its output's amax to the cast that follows
-(backends._fused_norm), and casts an input several layers read (q/k/v, gate/up) once for all of
-them (backends._shared_input): what the compiler does by itself under torch.compile.
-
-Per-tensor scaling, dynamic (scale from the tensor's own amax) or delayed with TransformerEngine's
-DelayedScaling semantics (fp8plug.backends.native.scaling): an amax history per tensor (input, weight,
-grad_output), reduced by "max" or "most_recent", scale = fp8_max / amax / 2**margin, recomputed
-every `interval` steps, and amaxes reduced across data-parallel ranks once per optimizer step so
-every rank casts with one scale. The three GEMMs (fprop, dgrad, wgrad) go through
-`torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU (fp8plug.backends.gemm); forward
-saves the FP8 copies of input and weight for backward instead of the high-precision ones. Scaling state lives in non-persistent buffers, so
-the state dict keeps the plain Linear's keys. The forward is branch-free tensor code, so it
-compiles with fullgraph=True.
+Per-tensor scaling, dynamic or delayed with TransformerEngine's DelayedScaling semantics
+(backends.native.scaling); the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact
+emulation on the CPU (backends.gemm). Scaling state lives in non-persistent buffers, so the state
+dict is the plain Linear's, and the forward is branch-free tensor code that compiles with
+fullgraph=True. Eagerly on CUDA it also does what torch.compile would: Llama-style RMSNorms fused
+(backends.native.fused_norm) and one cast per shared input (backends.native.shared_input).
 """
 
 from __future__ import annotations
@@ -355,11 +347,11 @@ class NativeEngine(Engine):
     honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
     honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
-    # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled: compiled
-    # 1.45x (session 12), dynamic tying delayed and reaching its first step sooner; eager 1.22x
-    # (session 14: 1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x in that call),
-    # dynamic, whose casts of a shared input are made once and take the fused norms' amax, which
-    # delayed scaling's per-layer scales cannot
+    # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled
+    # (docs/performance.md): compiled 1.45x, dynamic tying delayed and reaching its first step
+    # sooner; eager 1.22x (1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x bf16 eager
+    # in the same run), dynamic, whose casts of a shared input are made once and take the fused
+    # norms' amax, which delayed scaling's per-layer scales cannot
     measured = {"compiled": Speed(1.45, "dynamic"), "eager": Speed(1.22, "dynamic")}
 
     def probe(self) -> Probe:
@@ -383,7 +375,7 @@ class NativeEngine(Engine):
 
     def convert(self, model: nn.Module, plan) -> ConversionReport:
         """Linear layers and transformers' Llama-style RMSNorms, whose fused kernels hand their
-        output's amax to the cast of the layers reading it (backends._fused_norm)."""
+        output's amax to the cast of the layers reading it (backends.native.fused_norm)."""
         return self._convert(model, plan)
 
     def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:

@@ -1,23 +1,12 @@
 """One-pass FP8 cast on CUDA: both layouts and the amax from one read (delayed scaling), or from
 two (dynamic scaling, whose scale needs the amax first).
 
-Why: an FP8 Linear needs each operand in FP8 twice, as is and transposed (Hopper's FP8 GEMMs take
-the reduced dimension contiguous on both sides, so backward wants the transposed copies). With
-delayed scaling the scale is known before the tensor is read, so a single pass can cast, write
-both layouts and find the amax for the next step, as TransformerEngine's cast-transpose kernels
-do. In plain torch ops the scale of a delayed slot still depends on the current amax (the
-first-step fallback, a tensor `where` so a compiled model never recompiles), so the compiler must
-finish an amax pass before the cast: two reads, and at three of the four LLaMa-2-70B shapes on
-an H100 that left the native engine 5-7% behind TransformerEngine with the very same GEMMs
-(docs/performance.md). Here the first-step fallback is decided on the GPU instead: the amax pass
-runs only while the slot has no scale yet, and returns at once afterwards.
-
-`cast_transpose` is a torch custom op (torch.library.triton_op), so it also compiles. The native
-engine uses it for CUDA tensors in eager execution, where each torch op would be its own pass over
-the tensor (and its own launch): for delayed slots, and for dynamic ones as the first step of a
-delayed slot (`cast_transpose_dynamic`: the amax pass, then the cast with that amax's scale).
-Under torch.compile, and on the CPU or without Triton, it casts with torch ops (fp8plug.backends.native.scaling),
-which give the same bytes.
+An FP8 Linear needs each operand in FP8 as is and transposed (Hopper's FP8 GEMMs take the reduced
+dimension contiguous on both sides). With delayed scaling the scale is known before the tensor is
+read, so one pass can cast, write both layouts and find the next step's amax, as
+TransformerEngine's cast-transpose does; the first-step fallback is decided on the GPU. The native
+engine uses it eagerly on CUDA; compiled, on the CPU or without Triton it casts with torch ops
+(fp8plug.backends.native.scaling), which give the same bytes. Measured: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -88,7 +77,7 @@ def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype,
     (no margin, as the torch path's dynamic cast). Two passes over t (the amax, then the cast of
     both layouts) in three launches, where torch ops take one launch an op; one pass where the
     kernel that made t found its amax already (`amax`, a float32 scalar, inf where t holds a NaN:
-    backends._fused_norm). The amax returned is that amax: a dynamic slot keeps no history, so
+    backends.native.fused_norm). The amax returned is that amax: a dynamic slot keeps no history, so
     the cast's per-tile maxima are not reduced again."""
     flags = _NEVER_SCALED.get(t.device)
     if flags is None:
@@ -99,7 +88,7 @@ def cast_transpose_dynamic(t: torch.Tensor, dtype: torch.dtype,
 
 def triton_on_cuda() -> bool:
     """Whether Triton kernels can be built and launched here: a CUDA GPU and Triton installed.
-    The one check for this module's kernels and backends._fused_norm's."""
+    The one check for this module's kernels and backends.native.fused_norm's."""
     if not torch.cuda.is_available():
         return False
     try:

@@ -1,24 +1,11 @@
 """The Llama family's RMSNorm in one Triton kernel each way, eagerly on CUDA, handing the amax of
 its output to the FP8 cast that follows it.
 
-Why: eagerly, transformers' LlamaRMSNorm is a dozen torch kernels forward and backward, each a
-pass over the residual stream (float32 under autocast): on the 4-layer Llama of
-benchmarks/training/hf_llama.py, about 8 ms of a 102 ms FP8 step on an H100 (docs/performance.md). Its
-output then feeds q/k/v (or gate/up), whose dynamic FP8 cast reads it once more for its amax. One
-kernel here reads the norm's input once and writes the output, the per-row 1/rms that backward
-needs, and the output's amax (backends._shared_input hands it to the cast, which then reads the
-output once); one kernel computes backward's input gradient and the weight's partial sums.
-
-The arithmetic is the module's own, step by step: float32 math, the normalised value rounded to
-the input's dtype, then times the weight in the promoted dtype; backward rounds the gradient
-where autograd would. Sums are reduced in another order than torch's, so results agree to
-float32 rounding, not bit for bit (tests/gpu/test_fused_norm_gpu.py holds them together).
-
-Which modules: any transformers RMSNorm whose forward is LlamaRMSNorm's own, line for line
-(Llama, Mistral, Qwen2/3, Granite, DeepSeek-V3 and over a hundred more share it), with no
-forward of its own set on the instance (a patch such as Liger's or accelerate's hooks).
-Compiled, or on the CPU, the converted module runs that original forward: inductor already
-fuses the norm with the cast (tests/cpu/test_native.py).
+Eagerly, transformers' LlamaRMSNorm is a dozen kernels each way over the residual stream, and the
+cast of its output reads it again for the amax; compiled, inductor fuses all that itself. The
+arithmetic is the module's own (float32 math, the same roundings); sums are reduced in another
+order, so results agree to float32 rounding (tests/gpu/test_fused_norm.py). It takes over any
+RMSNorm whose forward is LlamaRMSNorm's, line for line (docs/engines.md, "native").
 """
 
 from __future__ import annotations

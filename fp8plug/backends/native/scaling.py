@@ -1,21 +1,11 @@
 """Per-tensor FP8 scaling: amax, scale, quantize, and delayed scaling's once-per-step update.
 
-Delayed scaling follows TransformerEngine's DelayedScaling. During a step a module only *records*
-the amax of each tensor it casts (the maximum over every call: a layer used twice, a checkpointed
-forward recomputed in backward, several forwards before one backward all record into one slot)
-and casts with the scale decided at the end of the previous step. Once per step
-(`fold_delayed_scaling`, called after the optimizer step) the recorded amaxes are reduced (max)
-across the data-parallel ranks in one collective for the whole model, pushed into each tensor's
-amax history, and the scales are recomputed from it. So every rank casts with the same scale, the
-history advances once per step however often a layer ran, and the scales a recompute uses are
-those of the original forward.
-
-A step whose amax is NaN or infinite (an overflowing batch that the loss scaler or the user
-skips) leaves history and scale untouched, so the next good step scales as if it never happened.
-A skipped step has no optimizer step, so no end-of-step update clears what it recorded: the next
-training forward of the model does (`forget_bad_step`), for every layer, the finite amaxes of
-layers before the one that went bad included; the next good step then records only its own.
-Scales are kept inside float32's normal range, so a tiny or zero amax gives finite values.
+Delayed scaling follows TransformerEngine's DelayedScaling: during a step a module only records
+the largest amax of each tensor it casts (over every call, recomputed forwards included) and casts
+with the scale the previous step decided. Once per optimizer step the recorded amaxes are reduced
+across data-parallel ranks in one collective for the whole model and folded into each history, so
+every rank casts with one scale. A non-finite amax (a skipped step) changes no history or scale
+(`forget_bad_step`), and scales stay inside float32's normal range.
 """
 
 from __future__ import annotations
@@ -68,7 +58,7 @@ def delayed_scale(prev_scale: torch.Tensor, use_prev: torch.Tensor, amax: torch.
     `use_prev` (a bool tensor: the slot has had an update); before that, the current `amax`'s, so
     the first step cannot overflow. A tensor `where`, not a Python branch, so a compiled model
     keeps one graph when the first update lands. The native engine's one-pass cast
-    (backends._fused_cast) works the same rule out inside its kernel, in the same float32 steps;
+    (backends.native.fused_cast) works the same rule out inside its kernel, in the same float32 steps;
     tests/gpu/test_fused_cast.py holds the two to the same scale and bytes."""
     return torch.where(use_prev, prev_scale, scale_from_amax(amax, fp8_max, margin))
 
@@ -79,7 +69,7 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     A value that is not finite once scaled (inf or NaN in `t`) becomes NaN, not the largest FP8
     value: a bad batch must give a non-finite output and loss, as it does in bf16, or the usual
     `isfinite(loss)` check never fires and the batch is trained on. NaN for inf too, since E4M3
-    has no inf (and the one-pass CUDA cast, backends._fused_cast, writes the same bytes)."""
+    has no inf (and the one-pass CUDA cast, backends.native.fused_cast, writes the same bytes)."""
     limit = FP8_MAX[dtype]
     scaled = t.float() * scale
     # `scaled - scaled` is +0 where `scaled` is finite and NaN where it is not, so subtracting it

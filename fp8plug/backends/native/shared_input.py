@@ -1,20 +1,10 @@
 """One FP8 copy of an input that several layers read, eagerly, as torch.compile already makes it.
 
-Why: a decoder layer's q, k and v projections read one tensor (the attention norm's output), and
-its gate and up projections another. Each NativeFP8Linear casts its own input, so eagerly that
-tensor was cast three times (twice), two passes over it each time; compiled, the compiler merges
-the identical casts into one. Here the last dynamic cast of a layer's input is kept, with a weak
-reference to the very tensor it was made from and that tensor's version counter, and the next
-layer handed the same tensor, unchanged, takes that cast instead of making its own: the same
-bytes, since a dynamic cast depends on nothing but the tensor.
-
-A norm that found its output's amax while writing it (backends._fused_norm) leaves that amax here
-too, so the first cast of its output skips its own amax pass.
-
-One tensor is kept at a time: layers sharing an input run one after another. The kept cast is
-dropped when another input is cast, and by the first backward GEMM, which never reads it, so its
-row-major copy does not outlive the forward. Never used under torch.compile (the compiler makes
-the one copy itself, and a Python-side cache would be traced into the graph).
+A decoder layer's q, k and v projections read one tensor, gate and up another; eagerly each layer
+would cast it again. The last dynamic cast of a layer's input is kept here, with a weak reference
+to that tensor and its version counter, and the next layer handed the same, unchanged tensor takes
+it: the same bytes. A fused norm's output amax is kept the same way. One entry at a time, dropped
+when another input is cast and by the first backward GEMM; never used under torch.compile.
 """
 
 from __future__ import annotations
@@ -35,8 +25,11 @@ class _Kept:
     cast: Optional[Tuple] = None  # (FP8, transposed FP8 or None, inverse scale, amax)
 
 
-# A one-element list rather than a global rebound: the slot is read once into a local, so a
-# replacement by another thread (nn.DataParallel's replicas) never mixes two entries.
+# One entry: layers sharing an input run one after another. Dropped by the first backward GEMM,
+# which never reads it, so its row-major copy does not outlive the forward. Not used under
+# torch.compile: the compiler makes the one copy itself, and a Python-side cache would be traced
+# into the graph. A one-element list rather than a global rebound: the slot is read once into a
+# local, so a replacement by another thread (nn.DataParallel's replicas) never mixes two entries.
 _SLOT = [None]
 
 

@@ -1,6 +1,6 @@
 """The native engine's end of step: delayed scaling's once-per-step update of every converted model
 (NativeEngine.end_step, which fp8plug.backends.steps calls after each optimizer step) and the guard that
-forgets what a skipped step recorded. Split from native.py, which imports it; the layers
+forgets what a skipped step recorded. Split from engine.py, which imports it; the layers
 themselves (NativeFP8Linear) are recognised by the scaling state they carry."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from fp8plug.backends.native.scaling import (
 
 def _is_delayed_layer(module: nn.Module) -> bool:
     """A NativeFP8Linear with at least one delayed slot, recognised by what it carries (its
-    `delayed` flag and `materialise_fp8_state`): native.py imports this module, so this one
-    must not import native.py (tests/cpu/test_import_graph.py)."""
+    `delayed` flag and `materialise_fp8_state`): engine.py imports this module, so this one
+    must not import engine.py (tests/cpu/test_import_graph.py)."""
     return getattr(module, "delayed", False) is True and callable(getattr(module, "materialise_fp8_state", None))
 
 # Converted models (and directly built layers), in the order they were converted (a

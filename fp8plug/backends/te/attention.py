@@ -1,29 +1,11 @@
 """TransformerEngine's FP8 dot-product attention, for one transformers attention module.
 
-One job: build TE's `DotProductAttention` for one attention shape and call it in FP8 under
-`DelayedScaling(fp8_dpa=True)` (cuDNN's FP8 fused attention), on queries, keys and values laid
-out as transformers hands them ([batch, heads, tokens, head dim]). Deciding when to call it, and
-falling back to transformers' SDPA otherwise, is fp8plug.hf.fp8_attention's job, which is this
-module's only user (FP8 attention is a recipe field every engine honours, `fp8_dpa`, not a part
-of the te engine). TransformerEngine is imported only through _te_import.py, and only once FP8
-attention is in use; `fp8_attention_problem` says why it cannot run here without raising.
-
-What TE does and does not do for a DotProductAttention on its own, and so what this module adds
-(read in TE's source, 2.20):
-- Forward amaxes are reduced (across ranks where the recipe says so) and the scales updated when
-  the outermost TE autocast exits with grad enabled: ours when nothing encloses it, the te
-  engine's when it does. Nothing to add.
-- Backward amaxes are reduced only by the first FP8 Linear of an autocast region, at the end of
-  its backward; DotProductAttention never does it. Without a TE Linear around (the native or ao
-  engine) the scales of dO, dP and dQKV would stay at 1.0 for good, and gradients of the size a
-  loss averaged over thousands of tokens gives would flush to zero in E5M2. So each call puts an
-  identity before the attention whose backward, which runs right after the attention's, updates
-  every backward scale TE holds (`_UpdateBackwardScales`). An update more than once in a step
-  is harmless with TE's rule: a module whose amax slot is still empty keeps its scale and its
-  history gains a zero (with `amax_compute_algo="max"` the history then covers fewer steps).
-- The TE module's delayed-scaling state (amax histories, scales) lives in the module, which is
-  not a submodule of the model: it is not in the state dict and not checkpointed; a resumed run
-  starts again from TE's initial scale of 1.0.
+Builds TE's `DotProductAttention` for one attention shape and calls it in FP8 under
+`DelayedScaling(fp8_dpa=True)` (cuDNN's FP8 fused attention) on queries, keys and values as
+transformers hands them. When to call it, and the fall-back to SDPA, are decided by
+fp8plug.hf.fp8_attention, its only user: FP8 attention is a recipe field every engine honours
+(`fp8_dpa`), not part of the te engine. TransformerEngine is imported only through te/imports.py,
+once FP8 attention is in use; `fp8_attention_problem` says, without raising, why it cannot run.
 """
 
 from __future__ import annotations
@@ -107,15 +89,22 @@ def attention_recipe(fp8_format: str, margin: int, amax_history_len: int, amax_c
 def _bshd(t: torch.Tensor) -> torch.Tensor:
     """[B, H, T, D] as TE's "bshd" takes it: [B, T, H, D] with heads and head dim contiguous (TE
     views them as one). transformers' Llama-style tensors are laid out so already (no copy); a
-    model that hands contiguous [B, H, T, D] gets one copy (TE refused those with a view error on
-    the H100, session 15)."""
+    model that hands contiguous [B, H, T, D] gets one copy (TE 2.20 refused those with a view error
+    on an H100)."""
     t = t.transpose(1, 2)
     return t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()
 
 
 class _UpdateBackwardScales(torch.autograd.Function):
-    """The identity on (query, key, value). Its backward runs once the attention's backward has
-    written its gradient amaxes, and updates the backward scales (see the module doc)."""
+    """The identity on (query, key, value), put before the attention: its backward runs right after
+    the attention's has written its gradient amaxes, and updates every backward scale TE holds.
+
+    TE (2.20) reduces backward amaxes only at the end of the first FP8 Linear's backward in an
+    autocast region; DotProductAttention never does. Without a TE Linear around (the native or ao
+    engine) the scales of dO, dP and dQKV would stay at 1.0, and gradients as small as a loss
+    averaged over thousands of tokens gives would flush to zero in E5M2. An update more than once a
+    step is harmless: a module whose amax slot is still empty keeps its scale, and its history gains
+    a zero (with amax_compute_algo="max" the history then covers fewer steps)."""
 
     @staticmethod
     def forward(ctx, query, key, value):
@@ -154,7 +143,9 @@ class TEAttention:
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             query, key, value = _UpdateBackwardScales.apply(query, key, value)
         batch, heads, tokens, _ = query.shape
-        # the inputs are in the dtype to compute in already; torch's autocast stays out of TE's way
+        # the inputs are in the dtype to compute in already; torch's autocast stays out of TE's way.
+        # TE reduces the forward amaxes and updates those scales itself, when the outermost TE autocast
+        # exits with grad enabled: this one, or the te engine's where one encloses it.
         with torch.cuda.device(query.device), torch.autocast(query.device.type, enabled=False), \
                 self.api.autocast(enabled=True, recipe=self.recipe):
             out = self.dpa(*(_bshd(t) for t in (query, key, value)))

@@ -1,50 +1,11 @@
-"""The `te` engine: NVIDIA TransformerEngine (`transformer_engine.pytorch`), 2.x.
+"""The `te` engine: NVIDIA TransformerEngine 2.x (`transformer_engine.pytorch`).
 
-What it does, and why:
-
-- Conversion swaps nn.Linear for te.Linear, nn.LayerNorm for te.LayerNorm and nn.RMSNorm for
-  te.RMSNorm under the shared rules of fp8plug.layers.rules. The new modules take over the very same
-  Parameter objects (weights are bit-identical, tied weights stay tied, an optimizer built before
-  conversion stays valid; device and dtype are kept). te.Linear(bias=False) has an empty tensor
-  as `bias`, not None; unconvert turns that back into None. te.LayerNorm always has a learnable
-  weight and bias and te.RMSNorm a weight, so a norm without them is skipped with that reason
-  (converting it would add parameters the optimizer and checkpoints do not know).
-  nn.RMSNorm(eps=None) means "the input dtype's eps"; TE needs a number, so it gets the
-  parameters' dtype eps, and unconvert restores None.
-- Converted Linears are `TELinear`, a te.Linear subclass with two additions:
-  1. A forward whose token count TE's FP8 GEMMs would reject (not divisible by 16, e.g. 7 tokens
-     in generation or an odd length from dynamic padding; 32 for MXFP8; see gemm_alignment) runs in
-     FP8 all the same: the tokens are zero-padded up to the multiple and the padding rows sliced
-     off the output (backends.padding: the real rows' outputs and gradients are unchanged).
-     An input whose features do not fit, or that is not a plain tensor, runs that layer in high
-     precision instead of raising ValueError. The check is per layer, at the layer, with TE's
-     own rule, rather than on the model's first argument: what a Linear sees (after reshapes,
-     padding, prefixes) is not knowable from the top-level input, and catching TE's ValueError
-     would mean re-running a half-done forward.
-  2. Gradient accumulation: inside `TEEngine.microbatch(is_first)` each TELinear gets
-     `is_first_microbatch=is_first` unless the caller passes it. True on the first micro-batch
-     after an optimizer step, False on the others: TE then quantizes each weight once per step
-     and reuses the FP8 copy. Never leave it False across an optimizer step (stale weights).
-- Recipes: the engine's plan (TEPlan, made once from FP8RecipeKwargs through fp8plug.recipe.plans,
-  holding only the fields TE honours under the chosen scaling) becomes a TE recipe object
-  (`_te_recipes.te_recipe_spec`, pure, so it is tested without TE, then `build_recipe`):
-  "delayed" -> DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo);
-  "current" -> Float8CurrentScaling; "block" -> Float8BlockScaling (sm_90+, CUDA >= 12.9);
-  "mxfp8" -> MXFP8BlockScaling and "nvfp4" -> NVFP4BlockScaling (sm_100: refused elsewhere).
-  Fields TE 2.x dropped: `interval` > 1 is honoured through DelayedScaling's
-  scaling_factor_compute_algo (`IntervalScaling`); override_linear_precision=(False, True, True)
-  becomes backward_override="high_precision" on recipes that have it. A field passed that the
-  scaling does not use is warned about when the plan is made (fp8plug.recipe.plans); one the installed
-  TE cannot do, once per process when its recipe is built; never dropped silently.
-- Checkpoints: `plain_state_dict` drops TE's `_extra_state` entries; converted modules carry a
-  load_state_dict pre-hook that supplies them, so a plain checkpoint loads strictly.
-  `fp8_state` / `load_fp8_state` carry the delayed-scaling amax histories and scales as plain
-  tensors (TE 2.x refuses to unpickle its own `_extra_state` unless told it is trusted).
-
-`import fp8plug` never imports TransformerEngine; this file imports it only when asked to.
-This file is the engine; its private helpers, imported by it only, are _te_recipes.py (recipe
-planning), _te_import.py (TE's import, old and new API names, cuDNN preloading) and _te_layers.py
-(TELinear, the micro-batch flag, checkpoint hooks).
+Swaps nn.Linear, nn.LayerNorm and nn.RMSNorm for TE's modules under fp8plug's shared rules, the
+new modules holding the very same Parameter objects; builds TE's recipe object from the engine's
+plan; keeps checkpoints plain (TE's `_extra_state` dropped, and supplied on load) and saves the
+delayed-scaling state as plain tensors. TransformerEngine is imported only when this engine is
+asked for or chosen. Its helpers: te/recipes.py (recipe planning), te/imports.py (TE's import and
+API names, cuDNN sharing; FP8 attention's way in too) and te/layers.py (TELinear). See docs/te.md.
 """
 
 from __future__ import annotations
@@ -140,7 +101,7 @@ def _keep_rng(device: torch.device):
 
 
 class TEEngine(Engine):
-    """NVIDIA TransformerEngine. See the module docstring for behaviour and quirks.
+    """NVIDIA TransformerEngine. See docs/te.md for behaviour and quirks.
 
     Gradient accumulation: wrap each micro-batch's forward in `engine.microbatch(is_first)`
     (True for the first micro-batch after an optimizer step, False for the rest) so TE quantizes
@@ -161,7 +122,8 @@ class TEEngine(Engine):
         "nvfp4": frozenset(),  # E2M1 values with E4M3 block scales, whatever the format
     }
     plan_class = TEPlan
-    # against bf16 compiled on the benchmark Llama, H100: eager 1.07x (session 14: 1.27x bf16 eager)
+    # against bf16 compiled on the benchmark Llama (4 x d4096, H100): eager 1.07x, i.e. 1.27x bf16 eager
+    # (docs/performance.md)
     measured = {"compiled": Speed(1.17), "eager": Speed(1.07)}
 
     def __init__(self):

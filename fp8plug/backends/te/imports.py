@@ -1,8 +1,9 @@
-"""Private helper of the te engine (fp8plug/backends/te.py): importing TransformerEngine.
+"""Private helper of the te engine (fp8plug/backends/te/engine.py): importing TransformerEngine.
 
 TE's API under its old and new names (`TEApi`), the import itself (`te`), its version, its
 global FP8 state manager, and the cuDNN preloading that must happen before TE is first imported
-(`share_torch_cudnn`). Imported by te.py and its other helpers only.
+(`share_torch_cudnn`). Imported by the te engine, its other helpers and FP8 attention
+(te/attention.py) only.
 """
 
 from __future__ import annotations
@@ -61,18 +62,14 @@ def torch_cudnn_dir() -> Optional[str]:
 def share_torch_cudnn() -> Optional[str]:
     """Make TransformerEngine use the cuDNN torch uses; returns that folder if it acted.
 
-    Why: at import TE loads cuDNN itself (RTLD_GLOBAL), from CUDNN_HOME, CUDNN_PATH, CUDA_HOME or
-    the system library path before any Python wheel, and its libraries name cuDNN's sub-libraries
-    as dependencies, which the loader takes from the system if torch has not loaded them yet.
-    Where the system has another cuDNN than the one torch ships, both end up in one process.
-    Measured on the project's H200 (system cuDNN 9.14, torch's 9.19): imported first, TE's 9.14
-    served torch's cuDNN calls too, so torch ranked cuDNN attention below FlashAttention-2 (it
-    prefers cuDNN only from 9.15 on) and a probe-model step was 3% slower; imported after torch
-    had used cuDNN, TE did not import at all (undefined symbol). So, before TE is imported, every
-    library of torch's cuDNN is loaded (as torch's own preloading does) and CUDNN_PATH points at
-    it: each later lookup finds the copy already loaded. A CUDNN_PATH or CUDNN_HOME the user set
-    is left alone, and so is a machine without the wheel or without a GPU. Once TE is imported it
-    is too late, and this does nothing.
+    At import TE loads cuDNN itself (RTLD_GLOBAL), from CUDNN_HOME, CUDNN_PATH, CUDA_HOME or the
+    system library path before any Python wheel, and the loader takes the cuDNN sub-libraries its
+    libraries depend on from the system unless torch loaded them first; so a system cuDNN other than
+    torch's ends up in the process beside it (what that cost on an H200: docs/te.md). So, before TE
+    is imported, every library of torch's cuDNN is loaded (as torch's own preloading does) and
+    CUDNN_PATH points at it: each later lookup finds the copy already loaded.
+    A CUDNN_PATH or CUDNN_HOME the user set is left alone, and so is a machine without the wheel or
+    without a GPU. Once TE is imported it is too late, and this does nothing.
     """
     import ctypes
     import glob

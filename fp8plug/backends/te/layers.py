@@ -1,8 +1,8 @@
-"""Private helper of the te engine (fp8plug/backends/te.py): the converted Linear and checkpoints.
+"""Private helper of the te engine (fp8plug/backends/te/engine.py): the converted Linear and checkpoints.
 
 TELinear (te.Linear plus token padding, the high-precision path where padding cannot help, and
 the micro-batch flag), which TE modules count as converted, and the state-dict hooks that let a
-converted model load a plain checkpoint. Imported by te.py only.
+converted model load a plain checkpoint. Imported by engine.py only.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ _CLASSES: Dict[str, type] = {}
 
 def te_linear_class() -> type:
     """TELinear: te.Linear plus token padding for inputs TE's FP8 GEMM would reject (and the
-    high-precision path where padding cannot help) and the micro-batch flag. Built on first use (it subclasses a TE class) and reachable as
-    `fp8plug.backends.te.engine.TELinear`, so converted models pickle."""
+    high-precision path where padding cannot help) and the micro-batch flag. Built on first use
+    (it subclasses a TE class) and reachable as `fp8plug.backends.te.engine.TELinear`, so converted
+    models pickle."""
     cls = _CLASSES.get("TELinear")
     if cls is not None:
         return cls

@@ -1,9 +1,9 @@
-"""Private helper of the te engine (fp8plug/backends/te.py): specifying TransformerEngine recipes.
+"""Private helper of the te engine (fp8plug/backends/te/engine.py): specifying TransformerEngine recipes.
 
-The engine's plan (te.TEPlan) -> which TE recipe class, with which arguments, and what the
+The engine's plan (engine.TEPlan) -> which TE recipe class, with which arguments, and what the
 installed TE cannot honour (`te_recipe_spec`, pure, so it is tested without TE); which scalings a
 GPU can run (`scaling_hardware_problem`); TE 2.x's missing `interval` (`IntervalScaling`).
-Imported by te.py only.
+Imported by the engine and te/layers.py only.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class TERecipeSpec:
 
     `kwargs` holds plain values (fp8_format as a name, "HYBRID" or "E4M3"); `interval` > 1 asks the
     builder for an IntervalScaling scaling_factor_compute_algo; `notes` are (field, value, why)
-    for the fields the installed TE cannot honour (te.py words them as every ignored field is).
+    for the fields the installed TE cannot honour (the engine words them as every ignored field is).
     """
 
     scaling: str
