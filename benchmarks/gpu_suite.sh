@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/performance.md and the GPU claims in docs/, on an H100/H200 with the
-# .gpu kit (see DEVELOPERS notes): `bash benchmarks/gpu_suite.sh STAGE... ` with $OUT set.
+# .gpu kit (the GPU machine's install, not part of this repository): `bash benchmarks/gpu_suite.sh
+# STAGE... ` with $OUT set.
 # Stages: tests (tests/gpu, one GPU), linear (native vs bf16 vs torchao at the 70B shapes),
 # profile (GPU time per kernel, GEMMs against casts, every engine), cast (the one-pass cast's
 # tiles), bench (fp8plug bench, every engine), sweep (the shapes the roofline filter is calibrated
 # on), train (probe-model training step), train-1b (the 1b model, filter on and off),
 # sdpa (which attention kernel each path runs), optim (optimizer-state memory), dist (two-GPU tests),
-# llama-a, llama-b, llama-c (benchmarks/training/hf_llama.py, the Hugging Face Llama table of issue 15, in
-# three parts of under 9 minutes each; `llama` runs all three and merges them, about 25 minutes).
+# llama-a, llama-b, llama-c (benchmarks/training/hf_llama.py, the Hugging Face Llama table: bf16,
+# Accelerate's FP8 and fp8plug, in three parts of under 9 minutes each; `llama` runs all three and
+# merges them, about 25 minutes).
 # odd (the cost of padding odd token counts to FP8's alignment, ao and te).
 # liger-tests (tests/gpu/test_liger.py), liger (the Llama table's bf16 + Liger against fp8plug +
 # Liger, under 9 minutes); with LIGER_WHEEL=path/to/liger_kernel-*.whl both install that wheel into

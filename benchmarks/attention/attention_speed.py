@@ -1,6 +1,6 @@
 """Attention alone: torch's bf16 SDPA against TransformerEngine's FP8 dot-product attention.
 
-Issue 27 item 2 asks whether FP8 attention pays on Hopper. This times forward + backward of one
+Does FP8 attention pay on Hopper? This times forward + backward of one
 causal attention call at the Llama benchmark's shape (B x T tokens, 32 query heads, 8 KV heads,
 head dim 128, inputs [B, H, T, D]: `--inputs bthd` lays them out as a transformers Llama hands
 them, transposed views of [B, T, H, D] (RoPE keeps its projection's layout: checked on

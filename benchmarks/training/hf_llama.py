@@ -17,7 +17,7 @@ each `-eager`, `-compiled`, `-usercompiled`, `-precompiled` or `-trainer`: compi
 model under torch.compile through the Accelerator's own `dynamo_backend="inductor"`; usercompiled
 = the user's own `torch.compile(model)` after prepare (how most training loops compile);
 precompiled = `torch.compile(model)` before prepare; trainer = `transformers.Trainer` with
-`TrainingArguments(torch_compile=True)` running the loop instead (issue 27): bf16 rows a plain
+`TrainingArguments(torch_compile=True)` running the loop instead: bf16 rows a plain
 Trainer(bf16=True), fp8plug rows the same Trainer class with `fp8plug.integrations.trainer.FP8TrainerMixin`
 and the row's recipe, accelerate-* rows Accelerate's FP8 set through the environment that
 `accelerate launch --mixed_precision fp8` exports (TrainingArguments cannot carry a recipe
@@ -90,14 +90,15 @@ from hf_llama_measure import (  # noqa: E402
 from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
 
 PRESETS = {
-    # the model of issue 15
+    # the benchmark Llama: 4 layers of Llama-3-8B's width (d=4096, ffn 14336, 32/8 heads)
     "llama": dict(layers=4, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, seq=2048, batch=4),
-    # DESIGN.md's probe decoder (ffn 16384, no grouped-query attention), as a LlamaForCausalLM
+    # the probe decoder of benchmarks/training/train_step.py (ffn 16384, no grouped-query
+    # attention), as a LlamaForCausalLM
     "probe": dict(layers=4, hidden=4096, intermediate=16384, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=4),
-    # issue 27's second model: Llama-3's shape (vocab 128256) at 8 layers, where lm_head and the
-    # loss are a large share of the step. "Batch as fits": 2 x 4096 is the largest power of two
-    # every row fits on one H100 with fp32 AdamW state (bf16 eager peaks at 52.6 GB at 1 and 67.0
-    # at 2, so 4 would need about 96); sessions 10-12 ran batch 1 (docs/performance.md)
+    # Llama-3's shape (vocab 128256) at 8 layers, where lm_head and the loss are a large share of
+    # the step. "Batch as fits": 2 x 4096 is the largest power of two every row fits on one H100
+    # with fp32 AdamW state (bf16 eager peaks at 52.6 GB at 1 and 67.0 at 2, so 4 would need about
+    # 96); earlier runs used batch 1 (docs/performance.md)
     "llama3": dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=4096, batch=2),
     # CPU smoke size: every Linear width a multiple of 16 so that every engine converts it
     "toy": dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=64, batch=2),

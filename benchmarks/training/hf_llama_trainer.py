@@ -1,5 +1,5 @@
 """benchmarks/training/hf_llama.py's `trainer` rows: the model trained by Hugging Face `transformers.Trainer`
-with `TrainingArguments(torch_compile=True)`, as a Trainer user turns compilation on (issue 27).
+with `TrainingArguments(torch_compile=True)`, as a Trainer user turns compilation on.
 
 A module of its own because the row does not run hf_llama.py's training loop: Trainer runs its
 own (data loader, loss scaling, gradient norm, callbacks), so the steps are marked from a

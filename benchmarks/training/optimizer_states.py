@@ -13,7 +13,7 @@ same synthetic batches, each run in its own process, and the table reports:
   ms/step       mean over the steps after the first 10 (torchao compiles its step at first use)
 
     python3 benchmarks/training/optimizer_states.py                                 # tiny, CPU
-    python3 benchmarks/training/optimizer_states.py --device cuda --out docs/optimizer_states_gpu.md
+    python3 benchmarks/training/optimizer_states.py --device cuda --out out/optimizer_states_gpu.md
 
 Models: tiny (CPU default: 2 layers, d=64, vocab 256, B=8, T=32) and small (CUDA default:
 6 layers, d=768, ffn 3072, vocab 16384, B=16, T=256, about 80M parameters; bf16 autocast, fp32

@@ -24,7 +24,7 @@ in %). The output head stays in bf16 on every FP8 path (modules_to_ignore), as i
     python3 benchmarks/training/train_step.py --tiny --out /tmp/ts              # CPU smoke run
 
 Models (fp8plug.bench.toy_model.TinyDecoder: pre-norm attention + SwiGLU MLP, RMSNorm):
-  probe  4 layers, d=4096, ffn=16384, 32 heads, vocab 32000, B=4, T=2048 (DESIGN.md's probe)
+  probe  4 layers, d=4096, ffn=16384, 32 heads, vocab 32000, B=4, T=2048 (the probe decoder)
   1b     16 layers, d=2048, ffn=8192, 16 heads, vocab 32000, B=4, T=2048 (about 1.2B parameters)
   tiny   2 layers, d=64, ffn=256, vocab 256, B=2, T=32 (CPU smoke)
 """

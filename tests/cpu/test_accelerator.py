@@ -188,7 +188,7 @@ def test_rebind_moves_optimizer_state_and_refuses_removed_parameters():
 
 
 def test_a_model_compiled_before_prepare_is_converted_inside_its_wrapper():
-    """Issue 27: torch.compile(model) before prepare is one of the ways users hold a model. The
+    """torch.compile(model) before prepare is one of the ways users hold a model. The
     wrapper traces at its first call, so the model inside is converted in place and the wrapper
     kept; training then runs every Linear in FP8 (the 'eager' backend: dynamo's tracing, no
     inductor build on the CPU)."""

@@ -4,7 +4,7 @@ wherever one is needed (a padding mask, position ids the caller passes, a KV cac
 window); a failed forward leaves no state behind; the switch is undone for shipping.
 
 Which kernel SDPA picks on a GPU, and what that is worth, is benchmarks/training/hf_llama.py's
-(docs/performance.md, "Session 11")."""
+(docs/attention.md)."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""fp8plug.integrations.float8's entry points take convert_model's one path (issue 26, item 4).
+"""fp8plug.integrations.float8's entry points take convert_model's one path.
 
 Why: they used to hand torchao or native configs straight to the engines, so a Float8Config or a
 convert_to_float8_training call skipped the recipe check and the speed filter that every other

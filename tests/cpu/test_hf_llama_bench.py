@@ -97,7 +97,7 @@ def test_a_row_that_cannot_run_says_why(toy_run):
 
 @pytest.mark.slow
 def test_trainer_rows_train_like_the_accelerator_rows(toy_run, tmp_path):
-    """Issue 27's `Trainer(torch_compile=True)` rows: transformers.Trainer in bf16, and the same
+    """The `Trainer(torch_compile=True)` rows: transformers.Trainer in bf16, and the same
     Trainer with fp8plug's FP8TrainerMixin on the native engine, each in its own process. bf16
     under Trainer follows bf16-eager's loss curve step by step (the same batches in the same order,
     initial weights and learning-rate schedule: a shuffled loader or Trainer's decaying "linear"

@@ -3,8 +3,8 @@
 Checked: a frozen base projection does only the forward and input-gradient GEMMs in FP8 (no
 weight-gradient GEMM, no transposed casts for it); the adapters train in high precision; FP8 LoRA
 tracks bf16 LoRA's loss within 1% (60 steps here; the example's --steps 200 --compare-bf16 for
-the issue's 200); TRL's SFTTrainer with FP8TrainerMixin runs the
-shipped example; `export_model` gives plain modules whose outputs equal the trained model's; the
+200); TRL's SFTTrainer with FP8TrainerMixin runs the shipped example; `export_model` gives plain
+modules whose outputs equal the trained model's; the
 FP8 inference checkpoint holds E4M3 weights with per-tensor scales and reloads to within FP8
 weight error of the trained model.
 """

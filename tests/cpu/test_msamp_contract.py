@@ -1,4 +1,4 @@
-"""CONTRACT TESTS for the msamp engine (fp8plug/backends/msamp.py).
+"""CONTRACT TESTS for the msamp engine (fp8plug/backends/msamp/engine.py).
 
 MS-AMP cannot be installed on current stacks (source-only, pins torch 2.1 and TransformerEngine
 1.1), so these tests run the adapter against tests/support/fakes/msamp: a stand-in that implements the

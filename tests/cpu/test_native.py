@@ -232,10 +232,10 @@ def test_compiles_without_graph_breaks():
 def test_compiled_layers_sharing_an_input_keep_one_fp8_copy_of_it():
     """q, k and v (gate and up) read one tensor. Compiled with dynamic scaling (the compiled
     default), their casts of it are one cast, and backward keeps one transposed FP8 copy of it,
-    not one per layer: 1.9 GB of issue 27's Llama (the copies were not merged while the cast
-    spelled NaN as a constant, since NaN != NaN). Read from the graph torch.compile's partitioner
-    hands backward, the one inductor compiles. (Delayed scaling casts with each layer's own
-    scale: one copy per layer there.)"""
+    not one per layer: 1.9 GB of the Llama of benchmarks/training/hf_llama.py (the copies were not
+    merged while the cast spelled NaN as a constant, since NaN != NaN). Read from the graph
+    torch.compile's partitioner hands backward, the one inductor compiles. (Delayed scaling casts
+    with each layer's own scale: one copy per layer there.)"""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -323,7 +323,7 @@ def test_a_layer_added_to_a_converted_model_is_updated_once_per_step():
 
 
 def test_compiled_norm_is_fused_into_the_fp8_cast():
-    """Issue 27's "norm + FP8 cast fused into the following projections", compiled: inductor
+    """The norm and the FP8 cast fused into the projections that follow, compiled: inductor
     computes the RMSNorm in the kernels that take the amax and cast q/k/v's shared input to FP8,
     so the forward allocates that input only in FP8, never in high precision. C++ kernels here;
     tests/gpu/test_native.py checks the Triton ones."""

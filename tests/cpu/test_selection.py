@@ -150,7 +150,7 @@ def test_a_requested_engine_is_the_only_one_probed(monkeypatch):
     assert probed == ["msamp", "te", "ao", "native"]  # the automatic choice by order judges every engine
 
 
-# --- the automatic choice ranked by measured speed (issue 15) ------------------------------------------
+# --- the automatic choice ranked by measured speed ------------------------------------------------------
 
 def _h100():
     from fp8plug.tuning.hardware import DeviceInfo
@@ -210,9 +210,9 @@ def test_without_an_fp8_gpu_the_old_order_stands():
 
 
 def test_without_a_known_mode_the_choice_is_the_engine_fast_both_ways(monkeypatch):
-    """Issue 27: a loop that compiles the model itself after prepare gave the Accelerator no
-    warning, and the eager favourite (TE, 14% behind when compiled) was chosen. Unknown mode:
-    the engine whose slower mode is closest to that mode's fastest engine."""
+    """A loop that compiles the model itself after prepare gives the Accelerator no warning; the
+    eager favourite (TE, 14% behind when compiled) used to be chosen there. Unknown mode: the
+    engine whose slower mode is closest to that mode's fastest engine."""
     from fp8plug import FP8RecipeKwargs
     from fp8plug import backends
     from fp8plug.backends.base import Speed
@@ -267,7 +267,8 @@ def test_accelerator_knows_whether_it_compiles():
 
 def test_a_trainer_with_torch_compile_tells_the_accelerator_it_compiles(tmp_path):
     """Trainer(torch_compile=True) hands its dynamo plugin to the Accelerator it builds, so on an
-    FP8 GPU the choice is ranked for a compiled model (issue 27's fifth way of holding a model)."""
+    FP8 GPU the choice is ranked for a compiled model (the Trainer, the fifth way of holding a model
+    beside eager, `dynamo_backend`, and compiling before or after prepare)."""
     from accelerate.state import AcceleratorState
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 

@@ -166,7 +166,7 @@ def test_launch_with_the_one_gpu_example_config(tmp_path):
 
 @pytest.mark.parametrize("held", ["eager", "compiled after prepare", "compiled before prepare", "dynamo_backend"])
 def test_the_default_is_one_engine_however_the_model_is_held(held, bf16_final):
-    """Issue 27: with no backend given, the engine does not depend on how the user will compile
+    """With no backend given, the engine does not depend on how the user will compile
     (the Accelerator cannot see a torch.compile(model) after prepare coming), and each way trains
     in FP8 to within 5% of bf16."""
     fresh()

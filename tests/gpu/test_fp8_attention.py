@@ -112,7 +112,7 @@ def small_llama(seed=0):
 
     torch.manual_seed(seed)
     # head dim 128, the Llamas' own: on the H100 (TE 2.20.2, cuDNN 9.19) cuDNN's FP8 attention refused
-    # head dim 64, and the calls fell back to SDPA (session 15)
+    # head dim 64, and the calls fell back to SDPA (docs/attention.md)
     config = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=VOCAB, max_position_embeddings=SEQ,
                          use_cache=False)

@@ -1,6 +1,6 @@
-"""The native engine's eager fused RMSNorm (backends._fused_norm) on CUDA: its numerics against
+"""The native engine's eager fused RMSNorm (backends.native.fused_norm) on CUDA: its numerics against
 transformers' LlamaRMSNorm, the FP8 cast that takes its amax, and a Llama whose shared inputs are
-cast once (backends._shared_input)."""
+cast once (backends.native.shared_input)."""
 
 import copy
 

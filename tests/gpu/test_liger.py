@@ -1,4 +1,4 @@
-"""A Liger-patched transformers Llama trains in FP8 on the GPU (issue 28, item 2).
+"""A Liger-patched transformers Llama trains in FP8 on the GPU.
 
 `apply_liger_kernel_to_llama` (RoPE, RMSNorm, SwiGLU and the fused linear cross-entropy, its
 defaults) on a small Llama; trained STEPS steps with labels under fp8plug.Accelerator's default

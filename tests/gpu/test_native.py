@@ -88,9 +88,9 @@ def test_the_autocast_wrapped_model_compiles_as_one_graph():
 
 
 def test_compiled_norm_is_fused_into_the_fp8_cast_on_gpu():
-    """Issue 27 item 2 on the GPU's Triton kernels: one kernel takes the RMSNorm's statistics and
-    the amax of its output, the cast recomputes the normalised value, and the forward allocates
-    q/k/v's shared input only in FP8. (The Llama's profile shows the same kernel,
+    """The norm fused into the FP8 cast, with the GPU's Triton kernels: one kernel takes the
+    RMSNorm's statistics and the amax of its output, the cast recomputes the normalised value, and
+    the forward allocates q/k/v's shared input only in FP8. (The Llama's profile shows the same kernel,
     `triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt`, docs/performance.md.)"""
     from tests.support.fusion import check_norm_fused_into_the_cast
 

@@ -77,7 +77,7 @@ def _shared_scale_worker(rank, world, port, out_dir, mode):
     torch.save({"error": seen["error"], "scale": first.fp8_scale.cpu(), "history": first.fp8_amax_history.cpu()},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
-    os._exit(0)  # skip the interpreter's teardown (see tests/test_scaling_faults._leave)
+    os._exit(0)  # skip the interpreter's teardown (see tests/cpu/test_scaling_faults._leave)
 
 
 def _sync_cost_worker(rank, world, port, out_dir, layers):
@@ -102,7 +102,7 @@ def _sync_cost_worker(rank, world, port, out_dir, layers):
     torch.save({"sync_ms": statistics.median(times[10:]) * 1e3, "all_reduce_ms": statistics.median(reduce_only[10:]) * 1e3},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
-    os._exit(0)  # skip the interpreter's teardown (see tests/test_scaling_faults._leave)
+    os._exit(0)  # skip the interpreter's teardown (see tests/cpu/test_scaling_faults._leave)
 
 
 def spawn(worker, tmp_path, *args):

@@ -1,6 +1,6 @@
-"""What inductor makes of an RMSNorm followed by FP8 projections (issue 27 item 2, "norm + FP8
-cast fused into the following projections"): shared by tests/cpu/test_native.py (C++ kernels on the
-CPU) and tests/gpu/test_native.py (Triton kernels).
+"""What inductor makes of an RMSNorm followed by FP8 projections (the norm and the FP8 cast fused
+into the projections that follow): shared by tests/cpu/test_native.py (C++ kernels on the CPU) and
+tests/gpu/test_native.py (Triton kernels).
 
 Compiled, fp8plug needs no fused module of its own for this: the native cast is plain torch ops,
 so inductor computes the norm's statistics and the amax of its output in one kernel, and the FP8
