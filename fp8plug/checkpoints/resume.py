@@ -5,10 +5,11 @@ file into the live objects. Either can stop half way: a save killed between two 
 directory that resumes as half the old state and half the new one, and a load refused at its last
 step (the FP8 state) has already replaced the weights and the optimizer. Here:
 
-- a save goes through fp8plug.checkpoints.directory: accelerate writes into a partial sibling directory,
-  fp8plug adds the FP8 state (`fp8_state.pt`, with the recipe it belongs to) and the manifest, and
-  the directory is swapped in complete. With automatic checkpoint naming the oldest checkpoints
-  are removed (`total_limit`) only once the new one is in place.
+- a save goes through fp8plug.checkpoints.directory: accelerate writes into a partial directory inside
+  the output directory, fp8plug adds the FP8 state (`fp8_state.pt`, with the recipe it belongs
+  to) and the manifest, and the files are moved into place, manifest last, under a lock. With
+  automatic checkpoint naming the oldest checkpoints are removed (`total_limit`) only once the
+  new one is in place.
 - a load first finds a complete checkpoint (the latest complete one, with automatic naming),
   reads the FP8 state without pickle, and checks everything it can before accelerate touches
   anything: the manifest, the FP8 state against this run (engine, models, recipe, converted
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +44,7 @@ def save_state(accelerator, accelerate_save, output_dir, safe_serialization: boo
     if automatic:
         folder = os.path.join(accelerator.project_dir, "checkpoints")
         final = os.path.join(folder, f"checkpoint_{accelerator.save_iteration}")
-        if os.path.exists(final):
+        if checkpoint_dir.taken(final):
             raise ValueError(
                 f"save_state: checkpoint directory {final} already exists; set "
                 "accelerator.project_configuration.iteration to the next free number."
@@ -56,32 +56,43 @@ def save_state(accelerator, accelerate_save, output_dir, safe_serialization: boo
         )
     else:
         final = os.path.expanduser(os.fspath(output_dir))
+    checkpoint_dir.check_output(final)  # on every rank, before anything is written
     writer = _writes(accelerator)
-    if writer:
-        checkpoint_dir.start(final)
-    accelerator.wait_for_everyone()
-    work = checkpoint_dir.partial_dir(final)
-    config.automatic_checkpoint_naming = False  # accelerate writes where it is told: the partial directory
+    save = checkpoint_dir.start(final) if writer else None  # holds final's lock until closed
     try:
-        accelerate_save(work, safe_serialization=safe_serialization, **kwargs)
-    finally:
-        config.automatic_checkpoint_naming = automatic
-    state = accelerator.fp8_checkpoint_state
-    if state is not None:
-        fp8_state = state.state_dict()  # on every rank, as accelerate does for its registered objects
+        accelerator.wait_for_everyone()
+        work = checkpoint_dir.partial_dir(final)
+        config.automatic_checkpoint_naming = False  # accelerate writes where it is told: the partial directory
+        try:
+            accelerate_save(work, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            config.automatic_checkpoint_naming = automatic
+        state = accelerator.fp8_checkpoint_state
+        if state is not None:
+            fp8_state = state.state_dict()  # on every rank, as accelerate does for its registered objects
+            if writer:
+                torch.save(fp8_state, os.path.join(work, FP8_STATE_NAME))
+        accelerator.wait_for_everyone()  # every rank's files are written
         if writer:
-            torch.save(fp8_state, os.path.join(work, FP8_STATE_NAME))
-    accelerator.wait_for_everyone()  # every rank's files are written
-    if writer:
-        checkpoint_dir.write_manifest(work)
-        checkpoint_dir.commit(final)
-        if automatic and config.total_limit is not None:
-            for old in checkpoint_dir.checkpoints_in(folder)[: -config.total_limit or None]:
-                logger.info("fp8plug: removing %s (total_limit=%d)", old, config.total_limit)
-                shutil.rmtree(old)
+            save.commit()
+    finally:
+        if save is not None:
+            save.close()
+    if writer and automatic and config.total_limit is not None:
+        _remove_old_checkpoints(folder, final, config.total_limit)
     accelerator.wait_for_everyone()
     logger.info("fp8plug: checkpoint %s is complete", final)
     return Path(final)
+
+
+def _remove_old_checkpoints(folder: str, final: str, total_limit: int) -> None:
+    """Keep the newest `total_limit` checkpoints, the one just written always among them (as
+    accelerate does, for 0 too); removed only now that the new one is complete."""
+    others = [path for path in checkpoint_dir.checkpoints_in(folder) if path != final]
+    keep = max(total_limit, 1) - 1
+    for old in others[: len(others) - keep]:
+        logger.info("fp8plug: removing %s (total_limit=%d)", old, total_limit)
+        checkpoint_dir.remove(old)
 
 
 def load_state(accelerator, accelerate_load, input_dir, load_kwargs, fp8_state: str, **kwargs):

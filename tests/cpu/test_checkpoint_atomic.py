@@ -1,5 +1,6 @@
 """A save_state killed at any write resumes as the whole old state or the whole new one, or is
-refused as incomplete; automatic checkpoint naming resumes from the last complete checkpoint."""
+refused as incomplete, and leaves the user's own files beside and inside the checkpoint directory
+as they were; automatic checkpoint naming resumes from the last complete checkpoint."""
 
 import json
 import subprocess
@@ -37,16 +38,23 @@ def outcomes(tmp_path, auto):
     for name in summary["kills"] + [summary["completed_at"]]:
         fresh()
         result = out / "results" / name
+        keeps_user_files(result, summary["user_files"], name)
         accelerator, model, optimizer, scheduler = build(result if auto else None, seed=123)
         try:
             accelerator.load_state(None if auto else result / "ckpt")
         except IncompleteCheckpointError as exc:
             assert "is incomplete" in str(exc)
             found[name] = "refused"
-            continue
-        state = snapshot(accelerator, model, optimizer, scheduler)
-        found[name] = "old" if equal(state, old) else "new" if equal(state, new) else "mixed"
+        else:
+            state = snapshot(accelerator, model, optimizer, scheduler)
+            found[name] = "old" if equal(state, old) else "new" if equal(state, new) else "mixed"
+        keeps_user_files(result, summary["user_files"], name)  # the load's recovery too
     return summary, found
+
+
+def keeps_user_files(result, files, name):
+    for relative, text in files.items():
+        assert (result / relative).is_file() and (result / relative).read_text() == text, (name, relative)
 
 
 def test_save_killed_at_any_write_resumes_whole_or_is_refused(tmp_path):

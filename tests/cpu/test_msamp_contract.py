@@ -23,7 +23,7 @@ from fp8plug.backends.msamp.engine import MSAMPEngine, is_scaling_tensor
 from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
-FAKES = Path(__file__).resolve().parents[1] / "support" / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "support" / "fakes"
 
 
 def _drop_msamp_modules():

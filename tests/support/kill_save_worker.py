@@ -7,7 +7,8 @@ state), then for n = 1, 2, ... forks a child that saves the new state over the o
 SIGKILLs itself at its n-th write (a file opened for writing, torch.save, safetensors, a rename or a
 removal); "during" kills write the file, cut it to half its size, then kill. What each kill left
 is copied to OUT/results/<n>-<when>; OUT/old.pt and OUT/new.pt hold the two states, and
-OUT/summary.json the kills. With --auto the checkpoints are automatically named
+OUT/summary.json the kills and the user's own files (beside and inside the checkpoint directory),
+which every kill must leave as they were. With --auto the checkpoints are automatically named
 (checkpoint_0, then checkpoint_1, total_limit=1). tests/cpu/test_checkpoint_atomic.py loads each result.
 """
 
@@ -23,9 +24,16 @@ import torch
 from torch import nn
 
 RECIPE = dict(backend="native", amax_history_len=4)
+# the user's own files beside and inside the checkpoint directories (relative to the work folder): every kill keeps them
+USER_FILES = {
+    "named": {"notes.txt": "beside\n", "ckpt/notes.txt": "inside\n", "ckpt/logs/run.log": "step 2\n"},
+    "named, after the first save": {"ckpt/later.txt": "added later\n"},
+    "auto": {"notes.txt": "beside\n", "checkpoints/README.txt": "mine\n"},
+    "auto, after the first save": {"checkpoints/checkpoint_0/notes.txt": "inside\n"},
+}
 
 
-def build(project_dir=None, seed=0):
+def build(project_dir=None, seed=0, total_limit=1):
     """The accelerator, model, optimizer and scheduler both this worker and the test use."""
     from accelerate.utils import ProjectConfiguration
 
@@ -35,7 +43,7 @@ def build(project_dir=None, seed=0):
     kwargs = {}
     if project_dir is not None:
         kwargs["project_config"] = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True,
-                                                        total_limit=1)
+                                                        total_limit=total_limit)
     accelerator = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(**RECIPE)],
                                       **kwargs)
     torch.manual_seed(seed)
@@ -64,6 +72,13 @@ def snapshot(accelerator, model, optimizer, scheduler):
         "scheduler": copy.deepcopy(scheduler.state_dict()),
         "fp8": accelerator.fp8_engine.fp8_state(accelerator.unwrap_model(model)),
     }
+
+
+def put(folder, files):
+    for relative, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, relative)), exist_ok=True)
+        with open(os.path.join(folder, relative), "w") as handle:
+            handle.write(text)
 
 
 def kill_at(n, during):
@@ -102,7 +117,7 @@ def kill_at(n, during):
                 flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
             if writing and tick():
                 die()
-        elif event in ("os.rename", "os.replace", "shutil.rmtree", "os.remove", "os.mkdir") and tick():
+        elif event in ("os.rename", "os.replace", "shutil.rmtree", "os.remove", "os.mkdir", "os.rmdir") and tick():
             die()
 
     sys.addaudithook(hook)
@@ -121,14 +136,19 @@ def main():
     os.makedirs(results)
     accelerator, model, optimizer, scheduler = build(work if args.auto else None)
     target = None if args.auto else os.path.join(work, "ckpt")
+    put(work, USER_FILES["auto" if args.auto else "named"])
     train(accelerator, model, optimizer, scheduler, 2, seed=1)
     accelerator.save_state(target)
+    put(work, USER_FILES["auto, after the first save" if args.auto else "named, after the first save"])
     torch.save(snapshot(accelerator, model, optimizer, scheduler), os.path.join(out, "old.pt"))
     train(accelerator, model, optimizer, scheduler, 2, seed=2)
     torch.save(snapshot(accelerator, model, optimizer, scheduler), os.path.join(out, "new.pt"))
     shutil.copytree(work, pristine)
-    summary = {"kills": [], "completed_at": None}
-    for n in range(1, 60):
+    summary = {"kills": [], "completed_at": None, "user_files": {}}
+    for kind, files in USER_FILES.items():
+        if kind.startswith("auto") == args.auto:
+            summary["user_files"].update(files)
+    for n in range(1, 100):
         for when in ("before", "during"):
             shutil.rmtree(work)
             shutil.copytree(pristine, work)
