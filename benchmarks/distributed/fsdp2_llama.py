@@ -1,0 +1,530 @@
+"""Llama-3-8B trained with FSDP2 through Accelerate on several GPUs: bf16, Accelerate's own FP8 and
+fp8plug, side by side (issue 42, item 1).
+
+The model: transformers' `LlamaForCausalLM` of Llama-3-8B's shape (32 layers, hidden 4096, ffn
+14336, 32/8 heads, vocab 128256, rope theta 500000; `--layers` etc. shrink it), built from a config
+with its parameters on meta (`accelerate.init_empty_weights(include_buffers=False)`: RoPE's small
+buffers stay real), so it is never whole on any host or GPU. Accelerate's FSDP2 (one shard unit per
+`LlamaDecoderLayer`) shards it still on meta; `model.to_empty()` then gives each rank memory for its
+shards, and each parameter is initialised from a seed of its own name (matrices normal(0, 0.02),
+norm weights 1, as transformers does), generated whole on the device one at a time and cut to the
+rank's shard: every row, at every world size, starts from the same weights (`init_sums` in the
+JSON). accelerate 1.15 maps the optimizer onto the sharded parameters by `data_ptr()`, 0 for every
+meta tensor, so the optimizer is pointed at them again after prepare (`params_not_stepped` checks).
+
+The same in every row: full activation checkpointing per decoder layer through the plugin's
+`activation_checkpointing=True` (torch's non-reentrant checkpoint_wrapper, before sharding); mixed
+precision as benchmarks/training/hf_llama.py sets it, "bf16" or "fp8", which under FSDP2 Accelerate
+turns into MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 master weights;
+fused AdamW (lr 3e-4, linear warm-up over a tenth of the steps); hf_llama_task.py's learnable
+synthetic task, each rank its own batches. Rows:
+
+  bf16           accelerate.Accelerator(mixed_precision="bf16")
+  fp8plug        fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs()])
+  fp8plug-ao     the same with FP8RecipeKwargs(backend="ao", enable_fsdp_float8_all_gather=True)
+  accelerate-ao  accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+  accelerate-te  the same with TERecipeKwargs()
+
+each `-usercompiled` (torch.compile(model) after prepare), `-regional` (Accelerate's
+TorchDynamoPlugin(use_regional_compilation=True): under FSDP2 each decoder layer is compiled in
+place before sharding) or `-eager`. Each row is one `python -m torch.distributed.run --standalone`
+launch with empty inductor/triton caches; this parent rewrites --json after each row, skips rows
+--deadline leaves no time for, and ends a row at --timeout (keeping the steps it finished).
+
+Per row: tok/s per GPU (batch x seq over the median step time after --warmup; each step ends with
+a device synchronise, negligible at 1 s a step); MFU = tok/s per GPU x F / 989e12 (--peak-tflops,
+H100 SXM dense bf16) with F = 6 x N + 12 x layers x hidden x seq FLOPs per token, N the parameters
+outside the input embedding (PaLM's and torchtitan's count: causal masking not subtracted,
+recomputation not added); peak memory per GPU (max_memory_allocated, max over ranks); seconds from
+the launch to the end of step 1; the loss (rank 0, mean over the last 10 steps); FP8 Linear layers
+out of all Linear layers (an FP8 row that converted none fails rather than report bf16 numbers).
+
+    python3 benchmarks/distributed/fsdp2_llama.py --json out/fsdp2.json             # every visible GPU
+    python3 benchmarks/distributed/fsdp2_llama.py --nproc 1 --layers 4 --json out/fsdp2_1gpu.json
+    python3 benchmarks/distributed/fsdp2_llama.py --device cpu --nproc 2 --layers 2 --hidden 256 \\
+        --intermediate 512 --heads 4 --kv-heads 2 --vocab 512 --seq 64 --rows bf16-eager,fp8plug-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+PROCESS_START = time.time()  # --deadline counts from here
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from hf_llama import versions  # noqa: E402
+from hf_llama_measure import LOSS_WINDOW, dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
+from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
+
+LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=8192, batch=1,
+                 rope_theta=500000.0)
+# row base -> (which Accelerator, mixed precision, FP8 engine, recipe arguments)
+BASES = {
+    "bf16": ("accelerate", "bf16", None, {}),
+    # bf16 with fp8plug's attention change alone (SDPA is_causal=True, no built mask), which fp8plug
+    # rows get by default: bf16-skipmask against fp8plug splits fp8plug's gain into that and FP8
+    "bf16-skipmask": ("accelerate", "bf16", None, dict(skip_causal_mask=True)),
+    "fp8plug": ("fp8plug", "fp8", None, {}),
+    "fp8plug-ao": ("fp8plug", "fp8", "ao", dict(enable_fsdp_float8_all_gather=True)),
+    "fp8plug-native": ("fp8plug", "fp8", "native", {}),  # what `fp8plug` chooses on an H100 (the CPU: ao)
+    "accelerate-ao": ("accelerate", "fp8", "ao", {}),
+    "accelerate-te": ("accelerate", "fp8", "te", {}),
+}
+MODES = ("usercompiled", "regional", "eager")
+ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
+DEFAULT_ROWS = "bf16-usercompiled,fp8plug-usercompiled,accelerate-ao-usercompiled,fp8plug-regional"
+INIT_STD = 0.02  # transformers' initializer_range for Llama
+
+
+def parameter_counts(spec: dict) -> tuple:
+    """(all parameters, those outside the input embedding) of the model `spec` describes."""
+    d, kv = spec["hidden"], spec["hidden"] // spec["heads"] * spec["kv_heads"]
+    layer = 2 * d * d + 2 * d * kv + 3 * d * spec["intermediate"] + 2 * d  # q, o; k, v; MLP; two norms
+    non_embedding = spec["layers"] * layer + d + spec["vocab"] * d  # + final norm + lm_head
+    return non_embedding + spec["vocab"] * d, non_embedding
+
+
+def flops_per_token(spec: dict) -> float:
+    """Model FLOPs per trained token: 6 x (parameters outside the input embedding) + 12 x layers x
+    hidden x seq (attention scores and values, forward and backward)."""
+    return 6 * parameter_counts(spec)[1] + 12 * spec["layers"] * spec["hidden"] * spec["seq"]
+
+
+# --- one row: every rank of a torch.distributed.run launch runs this --------------------------------
+
+
+def make_accelerator(row: str, backend: str, device_type: str):
+    """The row's Accelerator, with the FSDP2 plugin every row shares and its compile mode."""
+    import accelerate
+    from accelerate.utils import AORecipeKwargs, FullyShardedDataParallelPlugin, TERecipeKwargs, TorchDynamoPlugin
+
+    base, mode = row.rsplit("-", 1)
+    kind, precision, engine, options = BASES[base]
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True, activation_checkpointing=True, cpu_ram_efficient_loading=False,
+        state_dict_type="SHARDED_STATE_DICT")
+    if kind == "fp8plug":
+        import fp8plug
+
+        cls = fp8plug.Accelerator
+        handlers = [fp8plug.FP8RecipeKwargs(**options, **({"backend": engine} if engine else {}))]
+    else:  # bf16-skipmask's option is no recipe's: it has none
+        cls = accelerate.Accelerator
+        handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
+    dynamo = TorchDynamoPlugin(backend=backend, use_regional_compilation=True) if mode == "regional" else None
+    accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, fsdp_plugin=plugin, dynamo_plugin=dynamo,
+                      cpu=device_type == "cpu")
+    if device_type == "cpu":
+        fsdp_on_cpu(accelerator, plugin)
+    if not accelerator.is_fsdp2:
+        raise RuntimeError(f"Accelerate did not turn FSDP2 on (distributed type {accelerator.distributed_type})")
+    return accelerator
+
+
+def fsdp_on_cpu(accelerator, plugin) -> None:
+    """For the CPU tests: accelerate 1.15 turns FSDP on only for GPU-like distributed types
+    (AcceleratorState: MULTI_GPU, ...) and would train these CPU processes with DDP; torch's
+    fully_shard itself runs on CPU over gloo, so the state is switched to FSDP by hand, as
+    AcceleratorState would have set it."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+
+
+def build_meta_model(spec: dict):
+    """LlamaForCausalLM from the config: parameters on meta, buffers (RoPE's) real, train mode."""
+    import accelerate
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+        max_position_embeddings=spec["seq"], rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]},
+        initializer_range=INIT_STD, tie_word_embeddings=False, use_cache=False)
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = LlamaForCausalLM(config)
+    return model.train()
+
+
+def canonical(name: str) -> str:
+    """A parameter's name without the wrappers' parts (activation checkpointing, torch.compile)."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("_orig_mod.", "").replace("._orig_mod", "")
+
+
+def materialise(model, device, seed: int = 0) -> None:
+    """Give the sharded meta model memory on `device` (each rank its shards) and initialise every
+    parameter from its own seed: matrices normal(0, INIT_STD), vectors 1. Each is generated whole,
+    one at a time, and cut to this rank's shard, so values do not depend on the world size."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+        for name, param in model.named_parameters():
+            gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(canonical(name).encode()))
+            full = torch.empty(param.shape, dtype=torch.float32, device=device)
+            if full.dim() >= 2:
+                full.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                full.fill_(1.0)
+            target = param
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                target = param.to_local()
+            inner = getattr(target, "_tensor", None)  # torchao's float8 all-gather weight wraps the storage
+            (inner if isinstance(inner, torch.Tensor) else target).copy_(full)
+            del full
+
+
+def weight_sums(model, device) -> list:
+    """The sum and the sum of squares of all weights, over all ranks: equal in every row and for
+    every world size if the initialisation is (up to float64 rounding)."""
+    import torch
+
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            t = getattr(t, "_tensor", t)
+            sums += torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64) ** 2])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    return [round(x, 6) for x in sums.tolist()]
+
+
+def rebind_optimizer(optimizer, model) -> None:
+    """Point the (fresh) optimizer at the model's sharded parameters: accelerate's FSDP2 prepare
+    maps old to new parameters by data_ptr(), 0 for all meta tensors, so it leaves every slot
+    holding one and the same parameter."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if len(inner.param_groups) != 1 or inner.state:
+        raise RuntimeError("rebind_optimizer expects one parameter group and no optimizer state yet")
+    inner.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+
+
+def fp8_facts(model, accelerator) -> dict:
+    """What ran in FP8: fp8plug's GEMM counts, and for TransformerEngine modules how many ran under
+    FP8 autocast (a te.Linear outside it runs in bf16)."""
+    out = {}
+    if hasattr(accelerator, "fp8_coverage"):
+        coverage = accelerator.fp8_coverage()
+        out.update(fp8_gemms=coverage["fp8_gemms"], high_precision_gemms=coverage["high_precision_gemms"])
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    out["param_local_types"] = sorted({type(t).__name__ for t in local})  # float8 all-gather: WeightWith...
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    out["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    te = [m for m in model.modules() if type(m).__module__.startswith("transformer_engine") and hasattr(m, "fp8")]
+    if te:
+        out["te_modules_ran_fp8"] = sum(bool(m.fp8) for m in te)
+        out["te_modules"] = len(te)
+    return out
+
+
+def train(row: str, spec: dict, args, t0: float) -> dict:
+    """Build, shard, materialise and train `row`; the numbers rank 0 reports (all ranks run it)."""
+    import torch
+
+    mode = row.rsplit("-", 1)[1]
+    device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and device_type != "cuda":
+        raise RuntimeError("--device cuda: no CUDA device")
+    accelerator = make_accelerator(row, args.compile_backend, device_type)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    cuda = device.type == "cuda"
+    out = dict(device=torch.cuda.get_device_name(device) if cuda else "CPU", world_size=world)
+    model = build_meta_model(spec)
+    if BASES[row.rsplit("-", 1)[0]][3].get("skip_causal_mask"):
+        from fp8plug.hf.attention import skip_causal_mask
+
+        skip_causal_mask(model)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda)
+    scheduler = warmup_schedule(optimizer, args.steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    materialise(model, device)
+    rebind_optimizer(optimizer, model)
+    out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
+    out.update(model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2]))
+    if mode == "usercompiled":
+        model = torch.compile(model, backend=args.compile_backend)
+    data = make_batches(spec, args.steps, seed=1234 + rank).to(device)
+    if cuda:
+        out["after_init_gb"] = torch.cuda.memory_allocated(device) / 1e9
+    ms, losses = [], []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        ms.append((time.perf_counter() - start) * 1e3)
+        losses.append(loss.detach().float())
+        note_early_step(out, i, args.warmup, t0, cuda)
+        if rank == 0:
+            write_json(args.json + ".progress", dict(out, step_ms_all=ms, losses=[x.item() for x in losses]))
+    out.update(step_numbers(spec, args.steps, args.warmup, ms, losses))
+    out["loss_last"] = losses[-1].item()
+    out["step_ms_all"] = [round(x, 2) for x in ms]
+    out["dynamo_graphs"] = dynamo_graphs()
+    out["final_sums"] = weight_sums(model, device)
+    out.update(fp8_facts(model, accelerator))
+    if cuda:
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                            dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        out.update(peak_gb=peak[0].item() / 1e9, peak_reserved_gb=peak[1].item() / 1e9)
+    elif torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out
+
+
+def run_row(args) -> int:
+    """This rank's part of one row; rank 0 writes the row's JSON, a failing rank its error."""
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.json + f".pid{rank}").write_text(str(os.getpid()))
+    result = dict(row=args.row, error=None)
+    try:
+        result.update(train(args.row, args.spec, args, args.t0 or PROCESS_START))
+        result["mfu"] = result["tokens_per_s"] * flops_per_token(args.spec) / (args.peak_tflops * 1e12)
+    except BaseException as exc:  # noqa: BLE001 - a failed row is a row with its reason
+        traceback.print_exc()
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        error = f"rank {rank}: {type(exc).__name__}: {first}"
+        write_json(args.json + f".rank{rank}.err", dict(row=args.row, error=error))
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)  # no teardown: the other ranks may be waiting in a collective; the launcher ends them
+    if rank == 0:
+        write_json(args.json, result)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # skip process-group and compile-worker teardown, which can hang after NCCL work
+
+
+# --- the parent: one launch per row, the table -------------------------------------------------------
+
+
+def write_json(path, data) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def child_command(row: str, args, path: Path) -> list:
+    spec = [x for key, value in args.spec.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            str(Path(__file__).resolve()), "--row", row, "--json", str(path), *spec, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--lr", str(args.lr), "--device", args.device,
+            "--compile-backend", args.compile_backend, "--peak-tflops", str(args.peak_tflops), "--t0", str(time.time())]
+
+
+def stop(proc, tmp: Path) -> None:
+    """End a row's launch: SIGTERM to the launcher (it ends its workers), then SIGKILL to whatever
+    is left of it and of the workers (their own sessions; pids they wrote at start)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid_file in tmp.glob("row.json.pid*"):
+        try:
+            pid = int(pid_file.read_text())
+            if Path(__file__).name in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):  # still ours
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def partial(row: str, tmp: Path, args, why: str) -> dict:
+    """A row ended early, with what its progress file says: the steps it finished, timed as usual
+    where some came after the warm-up."""
+    result = dict(row=row, error=why)
+    progress = tmp / "row.json.progress"
+    if progress.exists():
+        data = json.loads(progress.read_text())
+        ms, losses = data.pop("step_ms_all"), data.pop("losses")
+        result.update(data, steps_done=len(ms), step_ms_all=[round(x, 2) for x in ms])
+        if len(ms) > args.warmup:
+            result["step_ms"] = statistics.median(ms[args.warmup:])
+            result["tokens_per_s"] = args.spec["batch"] * args.spec["seq"] / (result["step_ms"] / 1e3)
+            result["mfu"] = result["tokens_per_s"] * flops_per_token(args.spec) / (args.peak_tflops * 1e12)
+            result["loss"] = sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:])
+        result["error"] = f"{why} after {len(ms)} of {args.steps} steps"
+    return result
+
+
+def spawn(row: str, args, timeout: float) -> dict:
+    """One row's launch, with empty compile caches (unless --warm-cache); its result, an error
+    from the rank that failed first, or what it finished before --timeout."""
+    with tempfile.TemporaryDirectory(prefix="fsdp2_llama_") as name:
+        tmp = Path(name)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        if not args.warm_cache:
+            env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), TRITON_CACHE_DIR=str(tmp / "triton"))
+        log_path = Path(args.logs) / f"{row}.log" if args.logs else tmp / "row.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(child_command(row, args, tmp / "row.json"), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=str(ROOT), env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop(proc, tmp)
+                rc = None
+        tail = log_path.read_text(errors="replace")[-3000:]
+        if (tmp / "row.json").exists():
+            return json.loads((tmp / "row.json").read_text())
+        sys.stderr.write(tail)
+        errors = sorted(tmp.glob("row.json.rank*.err"), key=lambda p: p.stat().st_mtime)
+        if errors:  # the rank that failed first
+            return dict(partial(row, tmp, args, "failed"), error=json.loads(errors[0].read_text())["error"])
+        last = " | ".join(tail.strip().splitlines()[-2:])[-300:]
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"launch exited {rc}: {last}"
+        return partial(row, tmp, args, why)
+
+
+def run_rows(args, meta: dict) -> list:
+    """Each row in turn. A row is skipped when less time is left before --deadline than
+    --min-row-s or than 0.75 x the fastest row so far took; a row runs for at most the time left."""
+    rows, took = [], []
+    names = [r.strip() for r in args.rows.split(",") if r.strip()]
+    for i, row in enumerate(names, 1):
+        left = args.deadline - (time.time() - PROCESS_START) if args.deadline else math.inf
+        need = max(args.min_row_s, 0.75 * min(took)) if took else args.min_row_s
+        if left < need:
+            why = f"not run: {left:.0f} s left before --deadline, a row needs about {need:.0f}"
+            rows.append(dict(row=row, error=why))
+        else:
+            print(f"[{i}/{len(names)}] {row} ({args.nproc} processes) ...", file=sys.stderr, flush=True)
+            start = time.time()
+            rows.append(spawn(row, args, min(args.timeout, left)))
+            if rows[-1].get("tokens_per_s"):
+                took.append(time.time() - start)
+            r = rows[-1]
+            print(f"    {r.get('error') or 'ok'}: tok/s/GPU {r.get('tokens_per_s')}, first step "
+                  f"{r.get('first_step_s')} s, loss {r.get('loss')}, {time.time() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        meta["device"] = next((r["device"] for r in rows if r.get("device")), None)
+        if args.json:
+            write_json(args.json, dict(meta=meta, rows=rows))
+    return rows
+
+
+def table(meta: dict, rows: list) -> str:
+    def f(value, spec, suffix=""):
+        return "-" if value is None else format(value, spec) + suffix
+
+    s = meta["spec"]
+    lines = [
+        f"LlamaForCausalLM {s['layers']} layers, hidden {s['hidden']}, ffn {s['intermediate']}, "
+        f"{s['heads']}/{s['kv_heads']} heads, vocab {s['vocab']}; FSDP2 over {meta['nproc']} x "
+        f"{meta.get('device') or '-'}, batch {s['batch']} x {s['seq']} tokens per GPU, per-layer activation "
+        f"checkpointing; {meta['steps']} steps ({meta['warmup']} warm-up); MFU at {meta['peak_tflops']:g} TFLOP/s, "
+        f"{meta['flops_per_token'] / 1e9:.1f} GFLOP/token; loss floor {loss_floor(s):.3f}",
+        "",
+        "| row | engine | FP8 linears | tok/s/GPU | MFU | peak GB/GPU | first step s | loss | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        note = (r.get("error") or "").replace("|", "/")
+        if r.get("params_not_stepped"):
+            note += f" {r['params_not_stepped'] / 1e6:.1f}M parameters not stepped"
+        if r.get("te_modules") and not r.get("te_modules_ran_fp8"):
+            note += " TE layers ran outside FP8 autocast (bf16)"
+        fp8 = "-" if r.get("fp8_modules") is None else f"{r['fp8_modules']}/{r.get('linears')}"
+        lines.append(f"| {r['row']} | {r.get('engine') or '-'} | {fp8} | {f(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | {f(r.get('peak_gb'), '.1f')} | "
+                     f"{f(r.get('first_step_s'), '.0f')} | {f(r.get('loss'), '.4f')} | {note.strip()} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for key, value in LLAMA3_8B.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=f"default {value}")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS}); rows: "
+                   + ", ".join(ALL_ROWS))
+    p.add_argument("--nproc", type=int, default=0, help="processes (GPUs) per row; default every visible GPU (CPU: 2)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (CPU tests: aot_eager)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU, for MFU (H100 SXM: 989)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per row (default 600)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds for the whole run, from this process's start")
+    p.add_argument("--min-row-s", type=float, default=90, help="the least time a row is started with (default 90)")
+    p.add_argument("--warm-cache", action="store_true", help="keep the usual inductor/triton caches")
+    p.add_argument("--json", default=None, help="write meta and rows here (rewritten after each row)")
+    p.add_argument("--logs", default=None, help="keep each row's launch output as DIR/<row>.log")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one rank of one row (what the parent launches)
+    p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.spec = {key: getattr(args, key) for key in LLAMA3_8B}
+    bad = [r for r in args.rows.split(",") if r.strip() and r.strip() not in ALL_ROWS]
+    if bad:
+        p.error(f"--rows: unknown row {bad[0]!r}; rows: {', '.join(ALL_ROWS)}")
+    if args.row is not None and args.row not in ALL_ROWS:
+        p.error(f"--row: unknown row {args.row!r}")
+    if not 1 <= args.warmup < args.steps:
+        p.error("--warmup must be at least 1 and below --steps")
+    if args.spec["hidden"] % args.spec["heads"] or args.spec["heads"] % args.spec["kv_heads"]:
+        p.error("--hidden must divide by --heads, and --heads by --kv-heads")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.row:
+        return run_row(args)
+    if args.nproc <= 0:
+        import torch
+
+        args.nproc = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 2
+    meta = dict(spec=args.spec, nproc=args.nproc, steps=args.steps, warmup=args.warmup, lr=args.lr,
+                loss_floor=loss_floor(args.spec), peak_tflops=args.peak_tflops,
+                flops_per_token=flops_per_token(args.spec), compile_backend=args.compile_backend, versions=versions(),
+                date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                command="python3 benchmarks/distributed/fsdp2_llama.py "
+                + " ".join(sys.argv[1:] if argv is None else argv))
+    rows = run_rows(args, meta)
+    print(table(meta, rows))
+    return 0 if any(r.get("tokens_per_s") and not r.get("error") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""benchmarks/distributed/fsdp2_llama.py on the CPU: the FLOP count behind its MFU, the parent's
+row bookkeeping (deadline, rows cut short) without launching anything, and one tiny row launched
+for real (two gloo processes, FSDP2 switched on by hand as the script does on a CPU), whose JSON
+must hold every reported field, a finite loss and every weight in the optimizer."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "distributed" / "fsdp2_llama.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import fsdp2_llama  # noqa: E402
+
+TINY = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
+        "--vocab", "256", "--seq", "32"]
+
+
+def test_parameter_count_and_flops_are_llama3_8b():
+    args = fsdp2_llama.parse_args([])
+    total, non_embedding = fsdp2_llama.parameter_counts(args.spec)
+    assert total == 8_030_261_248  # Llama-3-8B
+    assert non_embedding == total - 128256 * 4096
+    assert fsdp2_llama.flops_per_token(args.spec) == 6 * non_embedding + 12 * 32 * 4096 * 8192
+
+
+def test_rows_past_the_deadline_are_reported_not_run(tmp_path, monkeypatch):
+    args = fsdp2_llama.parse_args(["--rows", "bf16-eager,fp8plug-regional", "--deadline", "1", "--nproc", "2",
+                                   "--json", str(tmp_path / "out.json")])
+    monkeypatch.setattr(fsdp2_llama, "spawn", lambda *a: pytest.fail("a row was launched past the deadline"))
+    rows = fsdp2_llama.run_rows(args, dict(spec=args.spec))
+    assert [r["error"].startswith("not run") for r in rows] == [True, True]
+    assert json.loads((tmp_path / "out.json").read_text())["rows"] == rows
+
+
+def test_a_row_cut_short_reports_the_steps_it_finished(tmp_path):
+    args = fsdp2_llama.parse_args(["--steps", "10", "--warmup", "2", "--nproc", "1"] + TINY)
+    progress = dict(first_step_s=50.0, fp8_modules=14, step_ms_all=[9000.0, 100.0, 100.0, 120.0, 100.0],
+                    losses=[6.0, 5.9, 5.8, 5.7, 5.6])
+    (tmp_path / "row.json.progress").write_text(json.dumps(progress))
+    row = fsdp2_llama.partial("bf16-eager", tmp_path, args, "timed out after 60 s")
+    assert row["error"] == "timed out after 60 s after 5 of 10 steps"
+    assert row["step_ms"] == 100.0 and row["tokens_per_s"] == 32 / 0.1
+    assert row["first_step_s"] == 50.0 and row["loss"] == pytest.approx(5.8)
+    assert "tok/s/GPU" in fsdp2_llama.table(dict(spec=args.spec, nproc=1, steps=10, warmup=2, peak_tflops=989.0,
+                                                 flops_per_token=1e9), [row])
+
+
+@pytest.mark.slow
+def test_tiny_row_on_two_cpu_processes(tmp_path):
+    """One fp8plug row end to end: two processes, the model built on meta, sharded, materialised,
+    trained 4 steps (about 60-90 s on two busy cores, mostly imports)."""
+    out = tmp_path / "fsdp2.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", "2", "--rows", "fp8plug-eager", "--steps", "4",
+         "--warmup", "1", "--json", str(out), *TINY],
+        capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["nproc"] == 2 and "| fp8plug-eager |" in proc.stdout
+    (row,) = data["rows"]
+    assert row["error"] is None
+    for field in ("tokens_per_s", "mfu", "first_step_s", "loss", "loss_last", "fp8_modules", "linears", "step_ms",
+                  "init_sums", "world_size", "engine"):
+        assert row.get(field) is not None, field
+    assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10
+    assert row["world_size"] == 2 and row["params_not_stepped"] == 0
+    assert row["parameters"] == fsdp2_llama.parameter_counts(data["meta"]["spec"])[0]
+    assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
+    assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
+    assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
