@@ -1,0 +1,119 @@
+"""Copies of converted models, models converted before prepare, free_memory (issue 40).
+
+- A copy of a converted model (copy.deepcopy, torch.save/torch.load of the whole model) trained
+  with its own optimizer gets the end-of-step update of delayed scaling as the original does.
+- A model converted by hand under one recipe and prepared under another is refused by name.
+- `free_memory` lets the prepared models go, FP8 state and all.
+"""
+
+import copy
+import gc
+import io
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8plug
+from fp8plug import FP8RecipeKwargs
+from fp8plug.backends._native_steps import _SkippedStepGuard
+from tests._subprocess import ROOT, child_env
+
+GROWTH = 1.3  # activations grow by this factor every step
+RECIPE = dict(backend="native", scaling="delayed", amax_history_len=1, margin=1)
+
+
+def converted(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(**RECIPE))
+    return model
+
+
+def batch(step):
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(step)) * GROWTH**step
+
+
+def train(model, first, steps):
+    """`steps` steps from step `first`, with the model's own optimizer."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for step in range(first, first + steps):
+        model(batch(step)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def output_error(model, step):
+    """Relative error of the FP8 forward (training mode: delayed scales) against float32."""
+    x = batch(step)
+    with torch.no_grad():
+        out = model(x)
+        reference = x
+        for layer in model:
+            reference = F.linear(reference, layer.weight, layer.bias)
+    return ((out - reference).norm() / reference.norm()).item()
+
+
+def save_and_load(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# --- copies of a converted model --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, save_and_load], ids=["deepcopy", "save_load"])
+def test_a_copy_keeps_its_delayed_scaling_updated(make_copy):
+    original = converted()
+    train(original, 0, 3)  # the scales of small activations
+    copied = make_copy(original)
+    train(original, 3, 12)
+    train(copied, 3, 12)  # activations grow 1.3**12 = 23x past the copied scales
+    assert copied[0].fp8_step.tolist() == [15, 15, 15] == original[0].fp8_step.tolist()
+    original_error, copy_error = output_error(original, 15), output_error(copied, 15)
+    assert original_error < 0.1
+    assert copy_error < 0.1  # frozen scales saturate: 0.89
+    assert abs(copy_error - original_error) < 1e-6  # same data, same weights, same scales
+
+
+def test_a_model_loaded_in_a_fresh_process_keeps_its_delayed_scaling_updated(tmp_path):
+    original = converted()
+    train(original, 0, 3)
+    torch.save(original, tmp_path / "model.pt")
+    train(original, 3, 12)
+    child = (
+        "import torch, tests.test_copies_and_launch as t\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "t.train(model, 3, 12)\n"
+        "print(model[0].fp8_step.tolist(), t.output_error(model, 15))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=child_env(tmp_path, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps, error = proc.stdout.strip().splitlines()[-1].rsplit("] ", 1)
+    assert steps == "[15, 15, 15"
+    assert abs(float(error) - output_error(original, 15)) < 1e-6  # frozen: 0.89
+
+
+def test_a_copy_converted_again_runs_one_skipped_step_guard():
+    copied = copy.deepcopy(converted())
+    fp8plug.convert_model(copied, recipe=FP8RecipeKwargs(**RECIPE))
+    guards = [fqn for fqn, m in copied.named_modules() for hook in m._forward_pre_hooks.values()
+              if isinstance(hook, _SkippedStepGuard)]
+    assert guards == [""]
+
+
+def test_tracking_a_copy_keeps_no_model_alive():
+    original = converted()
+    copied = copy.deepcopy(original)
+    train(copied, 0, 1)  # tracked by now
+    ref = weakref.ref(copied)
+    del copied
+    gc.collect()
+    assert ref() is None
