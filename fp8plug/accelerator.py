@@ -29,7 +29,7 @@ import accelerate.utils
 import torch
 from torch import nn
 
-from .api import convert_with_plan, loaded_engines
+from .api import check_converted_like, convert_with_plan, loaded_engines
 from .autocast import apply_fp8_autowrap
 from .backends import select_backend
 from .backends.base import Engine
@@ -194,6 +194,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                 )
         for i in new_models:
             check_convertible(_compiled_inner(args[i]) or args[i], f"prepare(): argument {i}: ")
+            check_converted_like(_compiled_inner(args[i]) or args[i], self.fp8_engine, self.fp8_plan,
+                                 f"prepare(): argument {i}: ")
         deepspeed = ds.is_deepspeed(self)
         if deepspeed:
             ds.check_models(self, [args[i] for i in new_models])

@@ -117,3 +117,50 @@ def test_tracking_a_copy_keeps_no_model_alive():
     del copied
     gc.collect()
     assert ref() is None
+
+
+# --- a model converted by hand, then prepared -------------------------------------------------------
+
+
+def accelerator(**recipe):
+    return fp8plug.Accelerator(cpu=True, mixed_precision="fp8",
+                               kwargs_handlers=[FP8RecipeKwargs(backend="native", **recipe)])
+
+
+def by_hand(**recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", **recipe))
+    return model
+
+
+def test_a_model_converted_under_another_recipe_is_refused_by_name(caplog):
+    model = by_hand(scaling="dynamic")
+    acc = accelerator(scaling="delayed", amax_history_len=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fp8plug"), pytest.raises(fp8plug.ConversionError) as error:
+        acc.prepare(model, optimizer)
+    message = str(error.value)
+    assert message.startswith("prepare(): argument 0: Sequential was already converted")
+    assert "scaling='dynamic'" in message and "scaling='delayed'" in message
+    assert "amax_history_len=1024" in message and "amax_history_len=4" in message
+    assert "fp8plug.unconvert_model(model)" in message and "\n" not in message
+    assert not [r for r in caplog.records if "FP8 with" in r.getMessage()]  # no line claiming a conversion
+    assert acc.fp8_models == [] and model[0].scaling == "dynamic"  # nothing changed
+
+
+def test_the_fix_the_refusal_names_applies_the_accelerators_recipe():
+    model = by_hand(scaling="dynamic")
+    acc = accelerator(scaling="delayed", amax_history_len=4)
+    fp8plug.unconvert_model(model)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [(m.scaling, m.fp8_amax_history.shape[0]) for m in model] == [("delayed", 4)] * 2
+
+
+def test_a_model_converted_under_the_same_recipe_is_prepared():
+    model = by_hand(scaling="delayed", amax_history_len=4)
+    acc = accelerator(scaling="delayed", amax_history_len=4)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert acc.fp8_reports[0].fp8_linears == ["0", "1"]
+    assert [(m.scaling, m.fp8_amax_history.shape[0]) for m in model] == [("delayed", 4)] * 2
