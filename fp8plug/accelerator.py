@@ -270,6 +270,18 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             if new_model is not model:
                 self._fp8_models[self._fp8_models.index(model)] = new_model
 
+    def free_memory(self, *objects):
+        """accelerate's free_memory (and `clear`, which calls it), which also forgets the converted
+        models: their memory can then be freed, and the next save_state holds the FP8 state of the
+        models prepared after it only (as accelerate's `find_executable_batch_size` retries need)."""
+        self._forget_fp8_models()
+        return super().free_memory(*objects)
+
+    def _forget_fp8_models(self) -> None:
+        # emptied in place: fp8_checkpoint_state reads this very list
+        self._fp8_models.clear()
+        self.fp8_reports.clear()
+
     # training ----------------------------------------------------------------------------------------
     def fp8_coverage(self, reset: bool = False) -> dict:
         """How many GEMMs of the prepared models ran in FP8 and in high precision, in this process:

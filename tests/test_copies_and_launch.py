@@ -21,6 +21,7 @@ from torch import nn
 import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends._native_steps import _SkippedStepGuard
+from tests._hf import fresh
 from tests._subprocess import ROOT, child_env
 
 GROWTH = 1.3  # activations grow by this factor every step
@@ -164,3 +165,51 @@ def test_a_model_converted_under_the_same_recipe_is_prepared():
     model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert acc.fp8_reports[0].fp8_linears == ["0", "1"]
     assert [(m.scaling, m.fp8_amax_history.shape[0]) for m in model] == [("delayed", 4)] * 2
+
+
+# --- free_memory between two models (accelerate's find_executable_batch_size) -----------------------
+
+
+def prepared(acc, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    return acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+
+
+def trained(acc, model, optimizer, steps):
+    for step in range(steps):
+        acc.backward(model(batch(step)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("release", ["free_memory", "clear"])
+def test_free_memory_lets_the_old_model_go(release):
+    acc = accelerator(amax_history_len=4)
+    model, optimizer = prepared(acc, 0)
+    trained(acc, model, optimizer, 1)
+    old = weakref.ref(model)
+    model, optimizer = getattr(acc, release)(model, optimizer)
+    gc.collect()
+    assert old() is None  # kept by the Accelerator's FP8 bookkeeping before
+    assert acc.fp8_models == [] and acc.fp8_reports == []
+
+
+def test_a_checkpoint_after_free_memory_holds_the_new_model_only(tmp_path):
+    acc = accelerator(amax_history_len=4)
+    model, optimizer = prepared(acc, 0)
+    trained(acc, model, optimizer, 1)
+    acc.free_memory(model, optimizer)
+    model, optimizer = prepared(acc, 1)  # the retry
+    trained(acc, model, optimizer, 3)
+    acc.save_state(tmp_path / "ckpt")
+    saved = torch.load(tmp_path / "ckpt" / "fp8_state.pt", weights_only=True)
+    assert len(saved["models"]) == 1  # 2 before: the old model's too
+    assert saved["models"][0]["0"]["fp8_step"].tolist() == [3, 3, 3]
+
+    fresh()  # a new one-model run resumes from it
+    acc2 = accelerator(amax_history_len=4)
+    model2, _ = prepared(acc2, 2)
+    acc2.load_state(tmp_path / "ckpt")
+    assert torch.equal(model2[0].fp8_amax_history, model[0].fp8_amax_history)
+    assert torch.equal(model2[1].fp8_scale, model[1].fp8_scale) and model2[1].fp8_step.tolist() == [3, 3, 3]
