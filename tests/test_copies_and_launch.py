@@ -4,6 +4,7 @@
   with its own optimizer gets the end-of-step update of delayed scaling as the original does.
 - A model converted by hand under one recipe and prepared under another is refused by name.
 - `free_memory` lets the prepared models go, FP8 state and all.
+- `fp8plug launch` returns the script's exit status, and names a missing script in one line.
 """
 
 import copy
@@ -213,3 +214,30 @@ def test_a_checkpoint_after_free_memory_holds_the_new_model_only(tmp_path):
     acc2.load_state(tmp_path / "ckpt")
     assert torch.equal(model2[0].fp8_amax_history, model[0].fp8_amax_history)
     assert torch.equal(model2[1].fp8_scale, model[1].fp8_scale) and model2[1].fp8_step.tolist() == [3, 3, 3]
+
+
+# --- fp8plug launch and fp8plug env ---------------------------------------------------------------
+
+
+def fp8plug_command(tmp_path, *args, **env):
+    return subprocess.run([sys.executable, "-m", "fp8plug", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=child_env(tmp_path, OMP_NUM_THREADS="1", **env), timeout=300)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_launch_returns_the_scripts_exit_status(tmp_path, processes):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('ran')\nsys.exit(3)\n")
+    proc = fp8plug_command(tmp_path, "launch", "--cpu", "--num_processes", str(processes), str(script))
+    assert proc.returncode == 3, proc.stderr[-3000:]  # 1 before, whatever the script's status
+    assert "ran" in proc.stdout  # (with two, torchrun may stop the other rank before it prints)
+    assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
+    assert f"fp8plug launch: {script} exited with status 3" in proc.stderr
+
+
+def test_launch_names_a_missing_script_in_one_line(tmp_path):
+    missing = tmp_path / "no_such.py"
+    proc = fp8plug_command(tmp_path, "launch", "--cpu", "--num_processes", "1", str(missing))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"fp8plug launch: no such script: {missing}"
+    assert "Traceback" not in proc.stderr
