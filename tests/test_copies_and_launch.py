@@ -5,6 +5,7 @@
 - A model converted by hand under one recipe and prepared under another is refused by name.
 - `free_memory` lets the prepared models go, FP8 state and all.
 - `fp8plug launch` returns the script's exit status, and names a missing script in one line.
+- `fp8plug env` fails on a bad FP8 setting in the environment, naming the variable.
 """
 
 import copy
@@ -241,3 +242,27 @@ def test_launch_names_a_missing_script_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"fp8plug launch: no such script: {missing}"
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("variable, value, allowed", [
+    ("ACCELERATE_FP8_MARGIN", "abc", "use an integer from 0 to 8"),
+    ("ACCELERATE_FP8_BACKEND", "bogus", "use one of msamp, te, ao, native"),
+    ("FP8PLUG_SCALING", "weird", "use one of"),
+])
+def test_env_fails_on_a_bad_fp8_setting_naming_it(tmp_path, variable, value, allowed):
+    extra = {"ACCELERATE_FP8_BACKEND": "native"} if variable == "FP8PLUG_SCALING" else {}
+    proc = fp8plug_command(tmp_path, "env", **extra, **{variable: value})
+    assert proc.returncode == 1, proc.stdout  # 0 before
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("fp8plug env: bad FP8 setting:")
+    assert variable in error and repr(value) in error and allowed in error
+    settings = [line for line in proc.stdout.splitlines() if line.startswith("FP8 settings")]
+    assert settings and variable in settings[0]  # under its own heading
+    assert value not in "".join(line for line in proc.stdout.splitlines() if line.startswith("auto_filter"))
+    assert "Traceback" not in proc.stderr
+
+
+def test_env_with_good_fp8_settings_lists_them(tmp_path):
+    proc = fp8plug_command(tmp_path, "env", ACCELERATE_FP8_BACKEND="native", FP8PLUG_SCALING="dynamic")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FP8 settings from the environment: ACCELERATE_FP8_BACKEND=native, FP8PLUG_SCALING=dynamic" in proc.stdout
