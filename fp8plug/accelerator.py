@@ -22,6 +22,7 @@ import contextlib
 import copy
 import inspect
 import os
+import weakref
 from typing import List, Optional
 
 import accelerate
@@ -179,6 +180,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         if self.fp8_engine is None:
             return super().prepare(*args, device_placement=device_placement)
         args = list(args)
+        self._take_back_freed(args)
         placements = device_placement or [None] * len(args)
         new_models = [
             i for i, obj in enumerate(args)
@@ -278,9 +280,22 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         return super().free_memory(*objects)
 
     def _forget_fp8_models(self) -> None:
-        # emptied in place: fp8_checkpoint_state reads this very list
+        # held weakly from now on, for _take_back_freed; emptied in place: fp8_checkpoint_state reads this very list
+        freed = self.__dict__.setdefault("_fp8_freed", weakref.WeakKeyDictionary())
+        freed.update(zip(self._fp8_models, self.fp8_reports))
         self._fp8_models.clear()
         self.fp8_reports.clear()
+
+    def _take_back_freed(self, args) -> None:
+        """Models this Accelerator converted before free_memory and given to prepare() again (a
+        Trainer's next train(), a retry with the same model): its FP8 models again, as converted."""
+        freed = self.__dict__.get("_fp8_freed")
+        for obj in args if freed else ():
+            inner = accelerate.utils.extract_model_from_parallel(obj) if isinstance(obj, nn.Module) else None
+            inner = getattr(inner, "_orig_mod", inner)
+            if inner is not None and inner in freed:
+                self._fp8_models.append(inner)
+                self.fp8_reports.append(freed.pop(inner))
 
     # training ----------------------------------------------------------------------------------------
     def fp8_coverage(self, reset: bool = False) -> dict:

@@ -217,6 +217,16 @@ def test_a_checkpoint_after_free_memory_holds_the_new_model_only(tmp_path):
     assert torch.equal(model2[1].fp8_scale, model[1].fp8_scale) and model2[1].fp8_step.tolist() == [3, 3, 3]
 
 
+def test_the_same_model_prepared_again_after_free_memory_is_an_fp8_model_again(tmp_path):
+    acc = accelerator(amax_history_len=4)
+    model, optimizer = prepared(acc, 0)
+    acc.free_memory()  # the caller keeps the model (a Trainer's next train())
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    assert acc.fp8_models == [model] and len(acc.fp8_reports) == 1
+    trained(acc, model, optimizer, 2)
+    acc.save_state(tmp_path / "ckpt")
+    assert len(torch.load(tmp_path / "ckpt" / "fp8_state.pt", weights_only=True)["models"]) == 1
+
 # --- fp8plug launch and fp8plug env ---------------------------------------------------------------
 
 
