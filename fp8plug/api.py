@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Optional
 
@@ -10,11 +11,11 @@ from torch import nn
 from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
 from fp8plug.backends import get_backend, select_backend
 from fp8plug.backends.base import Engine
-from fp8plug.layers.rules import ConversionReport
+from fp8plug.layers.rules import ConversionError, ConversionReport
 from fp8plug.coverage import describe_engine, log_conversion, logger
 from fp8plug.hf.fp8_attention import use_fp8_attention
 from fp8plug.recipe.plans import Plan, make_plan
-from fp8plug.recipe.kwargs import BACKENDS, FP8RecipeKwargs
+from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
 from fp8plug.backends.steps import end_step
 
 
@@ -76,12 +77,47 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
     attention without a built causal mask where the plan says so (fp8plug.hf.attention), and FP8
     attention where it asks for it (`fp8_dpa`, fp8plug.hf.fp8_attention)."""
     report = engine.convert_layers(model, plan, linear=linear, norm=norm)
+    setattr(model, _CONVERTED_WITH, conversion_settings(engine, plan))
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     if plan.skip_causal_mask:
         skip_causal_mask(model)
     if plan.fp8_dpa:
         use_fp8_attention(model, plan)
     return report
+
+
+_CONVERTED_WITH = "_fp8plug_converted_with"  # the model's attribute: conversion_settings at its conversion
+# Plan fields prepare() applies to every model itself, however it was converted.
+_APPLIED_AT_PREPARE = frozenset({"use_autocast_during_eval", "optimizer_states"})
+
+
+def conversion_settings(engine: Engine, plan: Plan) -> dict:
+    """What a conversion decided, by name: the engine ("backend") and its plan's compared fields
+    but those prepare() applies anyway. Plain values, so a model carrying them still pickles."""
+    names = [f.name for f in dataclasses.fields(plan) if f.compare and f.name not in _APPLIED_AT_PREPARE]
+    return {"backend": engine.name, **{name: getattr(plan, name) for name in names}}
+
+
+def check_converted_like(model: nn.Module, engine: Engine, plan: Plan, where: str = "") -> None:
+    """Refuse a model converted before (convert_model) with other settings than `engine` and
+    `plan` would give: its FP8 layers would stay as they are, so that plan would not apply.
+    The error names each differing field with both values."""
+    had = model.__dict__.get(_CONVERTED_WITH)
+    if had is None:
+        return
+    wanted = conversion_settings(engine, plan)
+    names = ["backend"] if had["backend"] != wanted["backend"] else [
+        name for name in wanted if name in had and had[name] != wanted[name]]
+    if not names:
+        return
+    def text(values):
+        return ", ".join(f"{name}={values.get(name)!r}" for name in names)
+    raise ConversionError(
+        f"{where}{type(model).__name__} was already converted to FP8 with {text(had)}, but this Accelerator's "
+        f"recipe gives {text(wanted)}, which would not apply to layers already converted; pass the plain model "
+        "(fp8plug.unconvert_model(model) turns it back) so that prepare() converts it with this recipe, or "
+        "build the Accelerator with the recipe the model was converted with."
+    )
 
 
 def loaded_engines():
@@ -95,6 +131,7 @@ def unconvert_model(model: nn.Module) -> nn.Module:
     mask change and FP8 attention alike)."""
     for engine in loaded_engines():
         engine.unconvert(model)
+    model.__dict__.pop(_CONVERTED_WITH, None)
     restore_sdpa(model)
     return model
 

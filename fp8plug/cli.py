@@ -5,7 +5,9 @@ launcher, taking FP8 as available where only fp8plug's native engine runs; fp8pl
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -27,6 +29,8 @@ def env_report(device=None) -> str:
         f"device       {info.describe()}",
         f"FP8 GEMMs    {fp8_gemm_status(info)}",
     ]
+    settings_problem = fp8_settings_problem(info)
+    lines.append(f"FP8 settings {fp8_settings_status(settings_problem)}")
     try:
         selection = select_backend(None, info)
         lines.extend(selection.explain().splitlines()[1:])  # its first line repeats the device
@@ -35,11 +39,83 @@ def env_report(device=None) -> str:
             ranked = select_backend(None, info, compiled=compiled)
             if ranked.mode:
                 lines.append(f"  for a {ranked.mode} model: {ranked.summary()}")
-        lines.append(f"auto_filter  {auto_filter_status(selection.name, info)}")
+        lines.append(f"auto_filter  {auto_filter_status(selection.name, info) if settings_problem is None else 'not judged: the FP8 settings above are bad'}")
     except BackendUnavailableError as exc:
         lines.append(str(exc))
         lines.append("automatic choice: none")
     return "\n".join(lines)
+
+
+def fp8_setting_variables() -> list:
+    """Every environment variable an FP8RecipeKwargs reads (fp8plug.recipe.environment)."""
+    from fp8plug.recipe.environment import ENV_NAMES, MODULES_TO_IGNORE_ENV, OVERRIDE_ENV_NAMES
+
+    names = [name for pair in ENV_NAMES.values() for name in pair if name]
+    return names + list(MODULES_TO_IGNORE_ENV) + list(OVERRIDE_ENV_NAMES)
+
+
+def fp8_settings_problem(info=None, environ=None) -> Optional[str]:
+    """Why the FP8 settings in the environment (ACCELERATE_FP8_*, FP8PLUG_*) cannot be used, naming
+    the variable, its value and what is allowed; None where a recipe built from them is valid,
+    its scaling included: checked against the backend they name, else against the engine chosen
+    automatically on device `info` (a DeviceInfo; None: this machine's), as fp8plug.Accelerator
+    would check it when built."""
+    from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
+    from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
+    from fp8plug.recipe.environment import ENV_NAMES
+
+    environ = os.environ if environ is None else environ
+    try:
+        recipe = FP8RecipeKwargs()
+    except ValueError as exc:
+        return _naming_variable(str(exc), environ)
+    if recipe.scaling is None:
+        return None
+    try:
+        engines = [get_backend(recipe.backend) if recipe.backend else select_backend(None, info).backend]
+    except BackendUnavailableError:  # no engine runs here: any engine's scaling is one
+        engines = [get_backend(name) for name in BACKENDS]
+    refusals = []
+    for engine in engines:
+        try:
+            engine.scaling_name(recipe.scaling)
+            return None
+        except ValueError as exc:
+            refusals.append(str(exc))
+    if len(engines) > 1:
+        allowed = "; ".join(f"{', '.join(e.scalings)} ({e.name})" for e in engines)
+        refusal = f"FP8RecipeKwargs.scaling: {recipe.scaling!r} is no engine's scaling; use one of {allowed}."
+    else:
+        refusal = refusals[0]
+        if not recipe.backend:
+            refusal += (f" ({engines[0].name} is the engine chosen automatically here; set ACCELERATE_FP8_BACKEND "
+                        "to one that has this scaling.)")
+    variables = [name for name in ENV_NAMES["scaling"] if name in environ]
+    return f"{', '.join(f'{name}={environ[name]!r}' for name in variables)}: {refusal}"
+
+
+def _naming_variable(message: str, environ) -> str:
+    """A recipe's error `message`, led by the variable(s) that gave the field it names and their
+    values, where it does not name them already."""
+    from fp8plug.recipe.environment import ENV_NAMES, MODULES_TO_IGNORE_ENV, OVERRIDE_ENV_NAMES
+
+    match = re.match(r"FP8RecipeKwargs\.(\w+)", message)
+    field = match.group(1) if match else None
+    names = {"modules_to_ignore": MODULES_TO_IGNORE_ENV, "override_linear_precision": OVERRIDE_ENV_NAMES}.get(
+        field, ENV_NAMES.get(field, ()))
+    variables = [name for name in names if name and name in environ]
+    if not variables or any(name in message for name in variables):
+        return message
+    given = [name for name in variables if repr(environ[name]) in message] or variables
+    return f"{', '.join(f'{name}={environ[name]!r}' for name in given)}: {message}"
+
+
+def fp8_settings_status(problem: Optional[str]) -> str:
+    """The env report's line on the FP8 settings in the environment."""
+    if problem is not None:
+        return f"bad: {problem}"
+    given = [f"{name}={os.environ[name]}" for name in fp8_setting_variables() if name in os.environ]
+    return f"from the environment: {', '.join(given)}" if given else "none in the environment (the defaults)"
 
 
 def fp8_gemm_status(info) -> str:
@@ -96,6 +172,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"fp8plug env: {exc}", file=sys.stderr)
             return 2
         print(report)
+        from fp8plug.tuning.hardware import device_info, parse_device
+
+        problem = fp8_settings_problem(device_info(parse_device(args.device)))
+        if problem is not None:  # what would fail at prepare(): a non-zero status, as a check should give
+            print(f"fp8plug env: bad FP8 setting: {problem}", file=sys.stderr)
+            return 1
         return 0
     return bench_module.run(args)
 

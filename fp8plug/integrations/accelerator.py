@@ -22,6 +22,7 @@ import contextlib
 import copy
 import inspect
 import os
+import weakref
 from typing import List, Optional
 
 import accelerate
@@ -29,7 +30,7 @@ import accelerate.utils
 import torch
 from torch import nn
 
-from fp8plug.api import convert_with_plan, loaded_engines
+from fp8plug.api import check_converted_like, convert_with_plan, loaded_engines
 from fp8plug.autocast import apply_fp8_autowrap
 from fp8plug.backends import select_backend
 from fp8plug.backends.base import Engine
@@ -39,17 +40,11 @@ from fp8plug.coverage import fp8_coverage, is_main_process, logger
 from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.checkpoints import resume
-from fp8plug._upstream import (
-    FP8EngineName,
-    AcceleratorInternals,
-    is_prepared,
-    prepared_models,
-    prepared_optimizers,
-)
+from fp8plug._upstream import FP8EngineName, AcceleratorInternals, is_prepared, prepared_models, prepared_optimizers
 from fp8plug._upstream import restore_forward, shared_precision, storage_view  # noqa: F401  (storage_view: public here)
 from fp8plug.integrations.optim import convert_optimizer
 from fp8plug.recipe.plans import Plan, make_plan
-from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe import FP8RecipeKwargs
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
 _ACCELERATE_FP8_HANDLERS = tuple(
@@ -185,6 +180,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         if self.fp8_engine is None:
             return super().prepare(*args, device_placement=device_placement)
         args = list(args)
+        self._take_back_freed(args)
         placements = device_placement or [None] * len(args)
         new_models = [
             i for i, obj in enumerate(args)
@@ -200,6 +196,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                 )
         for i in new_models:
             check_convertible(_compiled_inner(args[i]) or args[i], f"prepare(): argument {i}: ")
+            check_converted_like(_compiled_inner(args[i]) or args[i], self.fp8_engine, self.fp8_plan,
+                                 f"prepare(): argument {i}: ")
         deepspeed = ds.is_deepspeed(self)
         if deepspeed:
             ds.check_models(self, [args[i] for i in new_models])
@@ -273,6 +271,31 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                 args[holders[0]] = new_optimizer
             if new_model is not model:
                 self._fp8_models[self._fp8_models.index(model)] = new_model
+
+    def free_memory(self, *objects):
+        """accelerate's free_memory (and `clear`, which calls it), which also forgets the converted
+        models: their memory can then be freed, and the next save_state holds the FP8 state of the
+        models prepared after it only (as accelerate's `find_executable_batch_size` retries need)."""
+        self._forget_fp8_models()
+        return super().free_memory(*objects)
+
+    def _forget_fp8_models(self) -> None:
+        # held weakly from now on, for _take_back_freed; emptied in place: fp8_checkpoint_state reads this very list
+        freed = self.__dict__.setdefault("_fp8_freed", weakref.WeakKeyDictionary())
+        freed.update(zip(self._fp8_models, self.fp8_reports))
+        self._fp8_models.clear()
+        self.fp8_reports.clear()
+
+    def _take_back_freed(self, args) -> None:
+        """Models this Accelerator converted before free_memory and given to prepare() again (a
+        Trainer's next train(), a retry with the same model): its FP8 models again, as converted."""
+        freed = self.__dict__.get("_fp8_freed")
+        for obj in args if freed else ():
+            inner = accelerate.utils.extract_model_from_parallel(obj) if isinstance(obj, nn.Module) else None
+            inner = getattr(inner, "_orig_mod", inner)
+            if inner is not None and inner in freed:
+                self._fp8_models.append(inner)
+                self.fp8_reports.append(freed.pop(inner))
 
     # training ----------------------------------------------------------------------------------------
     def fp8_coverage(self, reset: bool = False) -> dict:

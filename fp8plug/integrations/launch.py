@@ -12,6 +12,9 @@ launched processes import accelerate untouched.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Optional, Sequence
 
 from fp8plug._upstream import launcher_fp8_check
@@ -57,9 +60,49 @@ def main(argv: Sequence[str]) -> int:
     parser = launch_command_parser()
     parser.prog = "fp8plug launch"
     args = parser.parse_args(list(argv))
+    problem = script_problem(args)
+    if problem:
+        print(f"fp8plug launch: {problem}", file=sys.stderr)
+        return 2
     with fp8_check_widened():
-        launch_command(args)
+        try:
+            launch_command(args)
+        except Exception as exc:
+            status = script_exit_status(exc)
+            if status is None:
+                raise
+            print(f"fp8plug launch: {args.training_script} exited with status {status}", file=sys.stderr)
+            return status
     return 0
 
 
-__all__ = ["fp8_check_widened", "main", "native_fp8_problem"]
+def script_problem(args) -> Optional[str]:
+    """'no such script: PATH' where the script to launch is a path that does not exist (not with
+    --module or --no_python, which name a module or a program), else None: found before any
+    process starts, rather than as each one's failure."""
+    if args.module or args.no_python or os.path.exists(args.training_script):
+        return None
+    return f"no such script: {args.training_script}"
+
+
+def script_exit_status(error: BaseException) -> Optional[int]:
+    """The exit status of the launched script that `error` reports (accelerate's launcher raises
+    CalledProcessError for one process, torchrun ChildFailedError for several: the first failed
+    rank's), as a shell gives it (128 + N for a signal N); None for any other error. Returned as
+    fp8plug launch's own, so a scheduler sees the script's status rather than a generic 1."""
+    code = None
+    if isinstance(error, subprocess.CalledProcessError):
+        code = error.returncode
+    else:
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        except ImportError:  # pragma: no cover - torch built without distributed
+            return None
+        if isinstance(error, ChildFailedError):
+            code = error.get_first_failure()[1].exitcode
+    if code is None:
+        return None
+    return 128 - code if code < 0 else code
+
+
+__all__ = ["fp8_check_widened", "main", "native_fp8_problem", "script_exit_status", "script_problem"]

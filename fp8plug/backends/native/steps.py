@@ -11,16 +11,8 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from fp8plug.backends.steps import track
-from fp8plug.backends.native.scaling import (
-    NOT_RECORDED,
-    DelayedSettings,
-    encode_for_reduction,
-    fold_delayed_scaling,
-    forget_bad_step,
-    reduce_across_ranks,
-    write_back,
-)
+from fp8plug.backends.steps import track, tracked
+from fp8plug.backends.native.scaling import NOT_RECORDED, DelayedSettings, encode_for_reduction, fold_delayed_scaling, forget_bad_step, reduce_across_ranks, write_back
 
 
 def _is_delayed_layer(module: nn.Module) -> bool:
@@ -69,6 +61,7 @@ def track_for_sync(model: nn.Module, engine) -> None:
     training forward (_SkippedStepGuard)."""
     guard = _TRACKED.get(model)
     if guard is None:
+        _drop_copied_guards(model)
         guard = _TRACKED[model] = _SkippedStepGuard()
         guard.handle = model.register_forward_pre_hook(guard)
     # converted (again): the layers looked up now, not at the first forward, where a compiled
@@ -79,7 +72,17 @@ def track_for_sync(model: nn.Module, engine) -> None:
         if inner is not None and getattr(inner, "handle", None) is not None:
             inner.handle.remove()
             inner.handle = None
+        elif module is not model:
+            _drop_copied_guards(module)
     track(model, engine)
+
+
+def _drop_copied_guards(module: nn.Module) -> None:
+    """Remove the guards `module` got as a copy (deepcopy, pickle: they come without a handle)
+    before it is tracked anew, so that its forward runs one guard, not one per copy."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, _SkippedStepGuard) and hook.handle is None:
+            del module._forward_pre_hooks[key]
 
 
 def _delayed_layers(models) -> List[nn.Module]:
@@ -93,11 +96,11 @@ def _delayed_layers(models) -> List[nn.Module]:
 
 
 def sync_delayed_scaling(models, group=None) -> None:
-    """End a step of delayed scaling for `models` (default: every converted model): reduce the
+    """End a step of delayed scaling for `models` (default: every converted model and its copies): reduce the
     recorded amaxes (max) across the ranks of `group` (default: all ranks) in one collective for
     all layers, push them into the histories and recompute the scales. NativeEngine.end_step;
     every rank must run it the same number of times, as with any collective."""
-    layers = _delayed_layers(list(models) or list(_TRACKED))
+    layers = _delayed_layers(list(models) or list(_TRACKED) + tracked("native"))
     if not layers:
         return
     with torch.no_grad():
