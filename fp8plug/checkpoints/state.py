@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Set, Union
 import torch
 from torch import nn
 
+from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
+
 if TYPE_CHECKING:
     from fp8plug.backends.base import Engine
 
@@ -61,9 +63,10 @@ def install_plain_state_dict(model: nn.Module, engine: "Engine") -> nn.Module:
 
 
 # The recipe fields that the saved FP8 state depends on: the engine and its scaling (what the
-# tensors are), and delayed scaling's arithmetic (scaling.py): the format and margin a scale was
-# worked out for, the history's length, how an amax is read from it, and how often it is updated.
-RECIPE_FIELDS = ("backend", "scaling", "fp8_format", "margin", "amax_history_len", "amax_compute_algo", "interval")
+# tensors are), the format a scale was worked out for, and those of delayed scaling's settings
+# its arithmetic depends on (fp8plug.recipe.scalings: the margin, the history's length, how an
+# amax is read from it, how often the scale is updated).
+RECIPE_FIELDS = ("backend", "scaling", "fp8_format", *DELAYED_STATE_FIELDS)
 
 
 def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:

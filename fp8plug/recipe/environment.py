@@ -1,11 +1,14 @@
 """Where an FP8RecipeKwargs field is read from the environment: the variable names `accelerate
-launch` exports and those named after `accelerate config`'s keys, and how a value written there
-reads (fp8plug.recipe.kwargs resolves a recipe with these; kept apart so recipe.py holds the fields and
-their checks)."""
+launch` exports and those named after `accelerate config`'s keys, and which of them wins
+(fp8plug.recipe.kwargs resolves a recipe with these). A scaling family's settings bring their own
+names (fp8plug.recipe.scalings)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
+
+from fp8plug.recipe.checks import parse_bool
+from fp8plug.recipe.scalings import DELAYED_ENV_NAMES
 
 # field -> (variable `accelerate launch` exports, variable named after `accelerate config`'s key).
 # launch exports its argparse default for every field even when nobody set it, so a launch value
@@ -14,11 +17,7 @@ ENV_NAMES = {
     "backend": ("ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_ENGINE"),  # `engine:`: a key accelerate ignores
     "use_autocast_during_eval": ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", None),
     "opt_level": ("ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_OPTIMIZATION_LEVEL"),
-    "margin": ("ACCELERATE_FP8_MARGIN", None),
-    "interval": ("ACCELERATE_FP8_INTERVAL", None),
     "fp8_format": ("ACCELERATE_FP8_FORMAT", None),
-    "amax_history_len": ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH"),
-    "amax_compute_algo": ("ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_AMAX_COMPUTE_ALGORITHM"),
     "enable_fsdp_float8_all_gather": ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", None),
     "pad_inner_dim": ("ACCELERATE_FP8_PAD_INNER_DIM", None),
     # fp8plug's own fields: `accelerate launch` still exports them from a config file's
@@ -27,9 +26,9 @@ ENV_NAMES = {
     "scaling": ("FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"),
     "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
     "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
-    "reduce_amax": ("FP8PLUG_REDUCE_AMAX", "ACCELERATE_FP8_REDUCE_AMAX"),
     "skip_causal_mask": ("FP8PLUG_SKIP_CAUSAL_MASK", "ACCELERATE_FP8_SKIP_CAUSAL_MASK"),
     "fp8_dpa": ("FP8PLUG_FP8_DPA", "ACCELERATE_FP8_FP8_DPA"),
+    **DELAYED_ENV_NAMES,
 }
 MODULES_TO_IGNORE_ENV = ("FP8PLUG_MODULES_TO_IGNORE", "ACCELERATE_FP8_MODULES_TO_IGNORE")
 OVERRIDE_ENV_NAMES = (
@@ -37,20 +36,23 @@ OVERRIDE_ENV_NAMES = (
     "ACCELERATE_FP8_OVERRIDE_DGRAD",
     "ACCELERATE_FP8_OVERRIDE_WGRAD",
 )
-_TRUE = ("true", "1", "yes", "y", "on")
-_FALSE = ("false", "0", "no", "n", "off", "")
 
 
-def parse_bool(value, name: str) -> bool:
-    """Read a boolean written as true/false/1/0 (any case), as launch and config files write it."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{name}: {value!r} is not a boolean; use true/false or 1/0.")
+def from_environment(name: str, environ, default) -> Tuple[Any, Optional[str]]:
+    """Field `name`'s value as the environment gives it, with the variable it was read from; where
+    the environment does not set it, (`default`, None)."""
+    if name in ENV_NAMES:
+        value = env_value(name, environ, default)
+        if value is None:
+            return default, None
+        return value, next(n for n in ENV_NAMES[name] if n and environ.get(n) == value)
+    if name == "modules_to_ignore":
+        variable = next((n for n in MODULES_TO_IGNORE_ENV if environ.get(n)), None)
+        return (_name_list(environ[variable]), variable) if variable else (default, None)
+    if name == "override_linear_precision":
+        value = env_override(environ)
+        return (default, None) if value is None else (value, None)
+    return default, None
 
 
 def env_value(name: str, environ, default) -> Optional[str]:
@@ -77,3 +79,9 @@ def env_override(environ) -> Optional[Tuple[bool, bool, bool]]:
     if all(v is None for v in values):
         return None
     return tuple(parse_bool(v or "false", n) for v, n in zip(values, OVERRIDE_ENV_NAMES))
+
+
+def _name_list(text: str) -> list:
+    """Module names from the environment: "a,b" or a YAML/Python list as launch exports it."""
+    cleaned = text.strip().strip("[]()")
+    return [part.strip().strip("'\"") for part in cleaned.split(",") if part.strip().strip("'\"")]

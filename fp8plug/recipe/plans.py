@@ -32,6 +32,7 @@ from typing import Any, Callable, FrozenSet, Iterator, Mapping, Optional, Tuple
 
 from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.recipe.kwargs import APPLIES_TO, DEFAULTS, FP8RecipeKwargs, field_names
+from fp8plug.recipe.scalings import DelayedScaling
 from fp8plug.tuning.roofline import auto_filter as speed_filter
 
 # `engine` below is a fp8plug.backends.base.Engine; not imported, not even for typing: base.py
@@ -79,18 +80,12 @@ class Plan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DelayedScalingPlan(Plan):
-    """The settings of TransformerEngine-style delayed scaling, shared by the plans of the two
-    engines that run it (native and te): the margin, how often the scale is recomputed, the
-    amax history and its reduction, which GEMMs stay in high precision, whether amaxes are
-    reduced across ranks. Defaults: FP8RecipeKwargs'."""
+class DelayedScalingPlan(Plan, DelayedScaling):
+    """The plan of an engine that runs TransformerEngine-style delayed scaling (native, te): the
+    shared Plan, delayed scaling's settings (fp8plug.recipe.scalings.DelayedScaling, with its
+    defaults) and which GEMMs stay in high precision."""
 
-    margin: int = DEFAULTS["margin"]
-    interval: int = DEFAULTS["interval"]
-    amax_history_len: int = DEFAULTS["amax_history_len"]
-    amax_compute_algo: str = DEFAULTS["amax_compute_algo"]
     override_linear_precision: Tuple[bool, bool, bool] = DEFAULTS["override_linear_precision"]
-    reduce_amax: bool = DEFAULTS["reduce_amax"]
 
 
 @dataclass(frozen=True)

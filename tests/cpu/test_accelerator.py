@@ -187,6 +187,21 @@ def test_rebind_moves_optimizer_state_and_refuses_removed_parameters():
         _rebind_optimizers([optimizer], {"b": kept}, {}, "Net")
 
 
+def test_second_accelerator_refuses_a_prepared_model():
+    """A model prepared by one fp8plug.Accelerator is refused, clearly, by a second one, which
+    would otherwise ignore its own recipe for it, save no FP8 state for it and report no coverage."""
+    first = make()
+    model, optimizer = model_and_optimizer()
+    model, optimizer = first.prepare(model, optimizer)
+    first.prepare(model)  # the same Accelerator again: fine
+    fresh()
+    second = make(FP8RecipeKwargs(backend="native", amax_history_len=8))
+    with pytest.raises(ConversionError, match=r"^prepare\(\): argument 0: TinyDecoder was already prepared by another "
+                                               r"Accelerator.*one fp8plug.Accelerator only") as error:
+        second.prepare(model)
+    assert "\n" not in str(error.value)
+
+
 def test_a_model_compiled_before_prepare_is_converted_inside_its_wrapper():
     """torch.compile(model) before prepare is one of the ways users hold a model. The
     wrapper traces at its first call, so the model inside is converted in place and the wrapper

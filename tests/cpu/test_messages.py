@@ -4,6 +4,7 @@ fp8plug's own imports trigger is dropped, and nothing else."""
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import accelerate
 import pytest
@@ -16,6 +17,7 @@ from fp8plug.backends.base import Probe, quiet_import_noise
 from fp8plug.tuning.hardware import DeviceInfo
 from tests.support.processes import child_env
 
+TROUBLESHOOTING = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 CPU = DeviceInfo("cpu", "x86_64")
 
@@ -49,9 +51,15 @@ def test_a_missing_engine_gives_its_install_command_once(monkeypatch, backend):
     assert len(message) < 600
 
 
-def test_plain_accelerate_given_fp8plugs_recipe_points_at_fp8plugs_accelerator():
-    with pytest.raises(KeyError, match=r"use fp8plug\.Accelerator"):
+def test_plain_accelerate_given_fp8plugs_recipe_names_it_and_troubleshooting_gives_the_fix():
+    """Plain accelerate.Accelerator raises its bare KeyError with the handler's class; the
+    troubleshooting page has that message and says to use fp8plug.Accelerator."""
+    with pytest.raises(KeyError) as error:
         accelerate.Accelerator(cpu=True, kwargs_handlers=[FP8RecipeKwargs()])
+    message = str(error.value)
+    assert message == "<class 'fp8plug.recipe.kwargs.FP8RecipeKwargs'>", message
+    row = next(line for line in TROUBLESHOOTING.read_text().splitlines() if f"`KeyError: {message}`" in line)
+    assert "Use `fp8plug.Accelerator`" in row, row
 
 
 def test_converting_another_engines_fp8_model_is_refused_not_reported_as_high_precision():

@@ -1,10 +1,15 @@
 """FP8RecipeKwargs: defaults, the environment `accelerate launch` / `accelerate config` produce,
 precedence, and a clear error for every bad value."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 from accelerate.utils import KwargsHandler
 
 from fp8plug import FP8RecipeKwargs
+from fp8plug.recipe.checks import Integer
+from fp8plug.recipe.scalings import DelayedScaling
 
 ENV_PREFIX = "ACCELERATE_FP8_"
 
@@ -132,3 +137,35 @@ def test_fp8plug_variables_set_by_hand(monkeypatch):
     monkeypatch.setenv("FP8PLUG_SCALING", "dynamic")
     r = FP8RecipeKwargs()
     assert r.modules_to_ignore == ("lm_head", "head2") and r.scaling == "dynamic"
+
+
+def test_delayed_scaling_settings_are_documented_as_declared():
+    """docs/recipe.md's tables give each of DelayedScaling's settings with its default, its
+    environment variables and its bounds, as fp8plug.recipe.scalings declares them."""
+    rows = [line for line in (Path(__file__).resolve().parents[1] / "docs" / "recipe.md").read_text().splitlines()
+            if line.startswith("| `")]
+    for setting in dataclasses.fields(DelayedScaling):
+        row = next((r for r in rows if r.startswith(f"| `{setting.name}` | `")), "")
+        default = repr(setting.default).replace("'", '"')
+        assert row.startswith(f"| `{setting.name}` | `{default}` |"), (setting.name, row)
+        assert all(name in row for name in setting.metadata["env"] if name), (setting.name, row)
+        check = setting.metadata["check"]
+        if isinstance(check, Integer):
+            assert any(r.startswith(f"| `{setting.name}` | {check.low:,} to {check.high:,} |") for r in rows), setting.name
+
+
+def test_accelerates_field_names_are_taken_once():
+    filter_fn = lambda module, fqn: True  # noqa: E731
+    r = FP8RecipeKwargs(module_filter_func=filter_fn, amax_history_length=16, amax_compute_algorithm="MAX",
+                        optimization_level="o1", use_mxfp8_block_scaling=True)
+    assert (r.module_filter_fn, r.amax_history_len, r.amax_compute_algo, r.opt_level, r.scaling) == (
+        filter_fn, 16, "max", "O1", "mxfp8")
+    assert r.is_explicit("amax_history_len") and not r.is_explicit("margin")
+    assert FP8RecipeKwargs(use_mxfp8_block_scaling="false").scaling is None
+    with pytest.raises(TypeError, match=r"^FP8RecipeKwargs: 'amax_history_length' is Accelerate's name for "
+                                        r"'amax_history_len'; pass only one of them\.$"):
+        FP8RecipeKwargs(amax_history_length=16, amax_history_len=16)
+    with pytest.raises(TypeError, match="'margn'"):
+        FP8RecipeKwargs(margn=1)
+    assert dataclasses.replace(r, margin=1) == FP8RecipeKwargs(
+        module_filter_fn=filter_fn, amax_history_len=16, amax_compute_algo="max", opt_level="O1", scaling="mxfp8", margin=1)

@@ -33,6 +33,7 @@ from fp8plug.layers.rules import (
     replace_module,
 )
 from fp8plug.recipe.plans import Plan, Settings, ignored_message
+from fp8plug.recipe.scalings import DELAYED_FIELDS  # what only delayed scaling reads, which torchao lacks
 from fp8plug.backends.steps import track
 from fp8plug.backends.ao.config import (
     MX_BLOCK,
@@ -46,8 +47,6 @@ from fp8plug.backends.base import Engine, Probe, Speed, probe_import
 from fp8plug.backends.padding import pad_tokens, token_count
 from fp8plug.backends.region import fp8_now, fp8_region
 
-# FP8RecipeKwargs fields that only delayed scaling reads, which torchao does not have.
-DELAYED_FIELDS = ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")
 NO_OVERRIDE = (False, False, False)
 
 

@@ -30,6 +30,7 @@ from fp8plug.layers.rules import (
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
 from fp8plug.recipe.plans import DelayedScalingPlan, Settings
 from fp8plug.recipe.kwargs import DEFAULTS
+from fp8plug.recipe.scalings import DELAYED_FIELDS, DelayedScaling, delayed_values
 from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
 from fp8plug.backends.native import fused_cast
 from fp8plug.backends.native import fused_norm
@@ -147,18 +148,18 @@ class NativeFP8Linear(nn.Linear):
     scales set at the end of the previous step; the end of every optimizer step
     (NativeEngine.end_step, through fp8plug.backends.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
     first update it scales from the current amax, so the first step cannot overflow.
+    Its settings are keyword arguments (`margin`, `interval`, `amax_history_len`, `amax_compute_algo`,
+    `reduce_amax`: fp8plug.recipe.scalings.DelayedScaling's fields, with its defaults and checks), kept
+    as `delayed_scaling` and as attributes of the same names.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, scaling="delayed",
-                 fp8_format="HYBRID", margin=0, interval=1, amax_history_len=1024,
-                 amax_compute_algo="most_recent", override_linear_precision=(False, False, False),
-                 reduce_amax=True):
+                 fp8_format="HYBRID", override_linear_precision=(False, False, False), **delayed_scaling):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup_fp8(scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
-                        override_linear_precision, reduce_amax)
+        self._setup_fp8(scaling, fp8_format, override_linear_precision, **delayed_scaling)
 
-    def _setup_fp8(self, scaling, fp8_format, margin, interval, amax_history_len, amax_compute_algo,
-                   override_linear_precision, reduce_amax=True):
+    def _setup_fp8(self, scaling, fp8_format="HYBRID", override_linear_precision=(False, False, False),
+                   **delayed_scaling):
         # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes.
         modes = (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
         if len(modes) != 3 or any(mode not in ("delayed", "dynamic") for mode in modes):
@@ -173,12 +174,11 @@ class NativeFP8Linear(nn.Linear):
         self.fp8_format = fp8_format
         self.fwd_dtype = E4M3
         self.bwd_dtype = E5M2 if fp8_format == "HYBRID" else E4M3
-        self.margin = int(margin)
-        self.interval = int(interval)
-        self.amax_compute_algo = amax_compute_algo
         self.override_linear_precision = tuple(override_linear_precision)
-        self.reduce_amax = bool(reduce_amax)
-        self._fresh_fp8_state(int(amax_history_len) if self.delayed else 1, self.weight.device)
+        self.delayed_scaling = DelayedScaling(**delayed_scaling)
+        for name, value in delayed_values(self.delayed_scaling).items():  # as attributes too: self.margin, ...
+            setattr(self, name, value)
+        self._fresh_fp8_state(self.amax_history_len if self.delayed else 1, self.weight.device)
         if self.delayed:
             track_for_sync(self, _direct_layers_engine())  # a layer built directly is synced like a converted model
         fused_cast.load()  # the eager CUDA cast, built here: never inside torch.compile
@@ -205,7 +205,7 @@ class NativeFP8Linear(nn.Linear):
 
     def delayed_settings(self) -> DelayedSettings:
         fp8_max = (FP8_MAX[self.fwd_dtype], FP8_MAX[self.fwd_dtype], FP8_MAX[self.bwd_dtype])
-        return DelayedSettings(fp8_max, self.margin, self.interval, self.amax_compute_algo)
+        return DelayedSettings(fp8_max, self.delayed_scaling)
 
     def _apply(self, fn, recurse=True):
         """Keep the scaling state in float32 when the module is cast (`.to(torch.bfloat16)`):
@@ -326,13 +326,8 @@ class NativePlan(DelayedScalingPlan):
         """NativeFP8Linear's keyword options."""
         return dict(
             scaling=self.tensor_scalings or self.scaling or NativeEngine.scalings[0], fp8_format=self.fp8_format,
-            margin=self.margin, interval=self.interval, amax_history_len=self.amax_history_len,
-            amax_compute_algo=self.amax_compute_algo, override_linear_precision=self.override_linear_precision,
-            reduce_amax=self.reduce_amax,
+            override_linear_precision=self.override_linear_precision, **delayed_values(self),
         )
-
-
-DELAYED_FIELDS = frozenset({"margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
 
 
 class NativeEngine(Engine):
@@ -345,7 +340,7 @@ class NativeEngine(Engine):
     scalings = ("delayed", "dynamic")
     counts_gemms = True
     honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
-    honours_by_scaling = {"delayed": DELAYED_FIELDS}  # dynamic scaling has no history, margin or interval
+    honours_by_scaling = {"delayed": frozenset(DELAYED_FIELDS)}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
     # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled
     # (docs/performance.md): compiled 1.45x, dynamic tying delayed and reaching its first step
@@ -368,7 +363,7 @@ class NativeEngine(Engine):
         return super().scaling_name(scaling)
 
     def make_plan(self, settings: Settings) -> NativePlan:
-        delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & DELAYED_FIELDS}
+        delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & set(DELAYED_FIELDS)}
         given = settings.values["scaling"]  # the recipe's own value: a tuple gives one mode per tensor
         return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)

@@ -15,6 +15,8 @@ from typing import List, Sequence
 
 import torch
 
+from fp8plug.recipe.scalings import DelayedScaling
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -112,13 +114,12 @@ def forget_bad_step(recorded: Sequence[torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class DelayedSettings:
-    """The recipe fields one delayed-scaling update needs; modules with equal settings are updated
-    together in one batch."""
+    """What one delayed-scaling update needs: each slot's FP8 maximum (input, weight, grad_output)
+    and the layer's delayed-scaling settings. Modules with equal settings are updated together in
+    one batch."""
 
-    fp8_max: tuple  # per slot (input, weight, grad_output)
-    margin: int
-    interval: int
-    algo: str  # "max" or "most_recent"
+    fp8_max: tuple
+    recipe: DelayedScaling
 
 
 def fold_delayed_scaling(history, scale, step, amax, settings: DelayedSettings):
@@ -134,9 +135,10 @@ def fold_delayed_scaling(history, scale, step, amax, settings: DelayedSettings):
     rolled = torch.cat([amax.unsqueeze(1), history[:, :-1]], dim=1)
     history = torch.where(good.unsqueeze(1), rolled, history)
     step = step + good.long()
-    reduced = history[:, 0] if settings.algo == "most_recent" else history.amax(dim=1)
-    recomputed = scale_from_amax(reduced, _constant(settings.fp8_max, amax.device), settings.margin, fallback=scale)
-    due = good & ((step == 1) | (step % settings.interval == 0))
+    recipe = settings.recipe
+    reduced = history[:, 0] if recipe.amax_compute_algo == "most_recent" else history.amax(dim=1)
+    recomputed = scale_from_amax(reduced, _constant(settings.fp8_max, amax.device), recipe.margin, fallback=scale)
+    due = good & ((step == 1) | (step % recipe.interval == 0))
     scale = torch.where(due, recomputed, scale)
     return history, scale, step
 

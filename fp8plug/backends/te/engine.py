@@ -30,6 +30,7 @@ from fp8plug.layers.rules import (
 )
 from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.plans import DelayedScalingPlan, Settings, ignored_message
+from fp8plug.recipe.scalings import DELAYED_FIELDS, delayed_values
 from fp8plug.backends.te.imports import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from fp8plug.backends.te.layers import (
     accept_plain_state_dict,
@@ -53,7 +54,7 @@ from fp8plug.backends.base import Engine, Probe, Speed, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the recipe fields that go into a TE recipe object (delayed scaling reads them all)
-SCALING_FIELDS = frozenset({"fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax"})
+SCALING_FIELDS = frozenset({"fp8_format", *DELAYED_FIELDS})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +69,8 @@ class TEPlan(DelayedScalingPlan):
 
     def recipe_key(self) -> tuple:
         """What the TE recipe object depends on: plans equal in it share one object."""
-        return (self.scaling, self.fp8_format, self.margin, self.interval, self.amax_history_len,
-                self.amax_compute_algo, tuple(self.override_linear_precision), self.reduce_amax)
+        return (self.scaling, self.fp8_format, tuple(self.override_linear_precision),
+                *delayed_values(self).values())
 
 
 def __getattr__(name):

@@ -14,6 +14,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from fp8plug.recipe.scalings import DELAYED_DEFAULTS, delayed_values
+
 RECIPE_CLASSES = {
     "delayed": "DelayedScaling",
     "current": "Float8CurrentScaling",
@@ -79,19 +81,21 @@ def te_recipe_spec(plan, fields: Mapping[str, frozenset], te_version: str = "?")
     if plan.fp8_format is not None:
         kwargs["fp8_format"] = plan.fp8_format
 
-    if scaling == "delayed":
-        kwargs.update(margin=plan.margin, amax_history_len=plan.amax_history_len,
-                      amax_compute_algo=plan.amax_compute_algo)
-        if not plan.reduce_amax and "reduce_amax" in have:
-            kwargs["reduce_amax"] = False  # TE's own switch: amaxes reduced across the fp8 group or not
-        if plan.interval != 1:
-            if "interval" in have:
-                kwargs["interval"] = plan.interval
-            elif "scaling_factor_compute_algo" in have:
-                interval = plan.interval
-            else:
-                notes.append(("interval", plan.interval, f"TransformerEngine {te_version} recomputes delayed "
-                              "scaling factors every step and has no hook to change that"))
+    if scaling == "delayed":  # delayed scaling's settings go to TE's DelayedScaling under their own names
+        for name, value in delayed_values(plan).items():
+            default = value == DELAYED_DEFAULTS[name]
+            if name == "interval" and not default and name not in have:  # TE 2.x dropped it; a hook does it
+                if "scaling_factor_compute_algo" in have:
+                    interval = value
+                else:
+                    notes.append((name, value, f"TransformerEngine {te_version} recomputes delayed "
+                                  "scaling factors every step and has no hook to change that"))
+            elif default and name in ("interval", "reduce_amax"):
+                continue  # TE's default too (and TE 2.x has no interval)
+            elif name in have:
+                kwargs[name] = value
+            elif not default:
+                notes.append((name, value, f"TransformerEngine {te_version}'s DelayedScaling has no such setting"))
     elif scaling == "mxfp8" and "margin" in have and plan.margin:
         kwargs["margin"] = plan.margin
 

@@ -1,8 +1,7 @@
-"""A recipe cannot be bent into an invalid state after construction: an assigned field is checked
-as at construction (`amax_history_len = 0` used to fail with IndexError at the first step, `margin
-= 40` to give a 98% output error silently), a bad value leaves the recipe as it was, and a good
-one counts as explicit. And a model prepared by one fp8plug.Accelerator is refused, clearly, by a
-second one, which used to ignore its own recipe, save no FP8 state for it and report no coverage."""
+"""A recipe's fields can be assigned after construction, and an assigned field is checked as at
+construction (`amax_history_len = 0` used to fail with IndexError at the first step, `margin = 40`
+to give a 98% output error silently): a bad value leaves the recipe as it was, a good one counts as
+explicit, and None reads the field again from the environment."""
 
 import copy
 import pickle
@@ -11,9 +10,7 @@ import pytest
 import torch
 
 import fp8plug
-from fp8plug import ConversionError, FP8RecipeKwargs
-from tests.support.hf import fresh
-from tests.cpu.test_accelerator import make, model_and_optimizer
+from fp8plug import FP8RecipeKwargs
 
 
 @pytest.mark.parametrize("name, value, words", [
@@ -51,16 +48,3 @@ def test_assigned_history_length_reaches_the_layers():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
     fp8plug.convert_model(model, recipe=recipe)
     assert model[0].fp8_amax_history.shape == (4, 3)
-
-
-def test_second_accelerator_refuses_a_prepared_model():
-    first = make()
-    model, optimizer = model_and_optimizer()
-    model, optimizer = first.prepare(model, optimizer)
-    first.prepare(model)  # the same Accelerator again: fine
-    fresh()
-    second = make(FP8RecipeKwargs(backend="native", amax_history_len=8))
-    with pytest.raises(ConversionError, match=r"^prepare\(\): argument 0: TinyDecoder was already prepared by another "
-                                               r"Accelerator.*one fp8plug.Accelerator only") as error:
-        second.prepare(model)
-    assert "\n" not in str(error.value)
