@@ -126,6 +126,8 @@ def _copied_mark(engine_name: str, model: Optional[nn.Module]) -> _EndStepMark:
 def _track_copies() -> None:
     """Track the copies made since the last call, in the order they were made (a model's layers
     before the model, which then stops tracking them on their own)."""
+    if not _COPIES:  # after every optimizer step: nothing to import or do, almost always
+        return
     from fp8plug.backends import get_backend
 
     while _COPIES:
