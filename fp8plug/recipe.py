@@ -286,14 +286,7 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
         self.override_linear_precision = _override(self.override_linear_precision)
         self.scaling = _scaling(self.scaling)
         if self.modules_to_ignore is not None:
-            if isinstance(self.modules_to_ignore, str) or not all(
-                isinstance(n, str) for n in self.modules_to_ignore
-            ):
-                raise ValueError(
-                    "FP8RecipeKwargs.modules_to_ignore: give a list of fully-qualified module names, "
-                    f"not {self.modules_to_ignore!r}."
-                )
-            self.modules_to_ignore = tuple(self.modules_to_ignore)
+            self.modules_to_ignore = module_name_list(self.modules_to_ignore)
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError("FP8RecipeKwargs.module_filter_fn: must be callable as fn(module, fqn) -> bool.")
         for name in ("enable_fsdp_float8_all_gather", "pad_inner_dim"):
@@ -381,6 +374,15 @@ def _accept_accelerate_names(generated_init):
 
 
 FP8RecipeKwargs.__init__ = _accept_accelerate_names(FP8RecipeKwargs.__init__)
+
+
+def module_name_list(value, label: str = "FP8RecipeKwargs.modules_to_ignore") -> Tuple[str, ...]:
+    """`value` as a tuple of module names, or ValueError naming `label`: a list of strings, never one
+    bare string (iterating "lm_head" would give its letters). The one place this rule is worded;
+    fp8plug.export checks its own `modules_to_ignore` with it."""
+    if isinstance(value, str) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{label}: give a list of fully-qualified module names, not {value!r}.")
+    return tuple(value)
 
 
 def _name_list(text: str) -> list:
