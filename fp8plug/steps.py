@@ -49,6 +49,12 @@ def track(model: nn.Module, engine: "Engine") -> None:
         _HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
 
 
+def untrack(model: nn.Module) -> None:
+    """Stop ending steps for `model` and the modules inside it (an exported or unconverted model)."""
+    for module in model.modules():
+        _TRACKED.pop(module, None)
+
+
 def end_step(models: Iterable[nn.Module], engines: Iterable["Engine"], group=None) -> None:
     """End an optimizer step now: each of `engines` does its end-of-step work for `models` (every
     model it converted when none are given), collectives over the ranks of `group` (all ranks by

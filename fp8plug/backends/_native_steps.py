@@ -82,6 +82,16 @@ def track_for_sync(model: nn.Module, engine) -> None:
     track(model, engine)
 
 
+def untrack_for_sync(model: nn.Module) -> None:
+    """Take the skipped-step guards of track_for_sync off `model` and the modules inside it (their
+    FP8 layers are gone); converting it again puts a fresh one on. fp8plug.steps' tracking, shared
+    by every engine, is left to the caller (fp8plug.steps.untrack)."""
+    for module in model.modules():
+        guard = _TRACKED.pop(module, None)
+        if guard is not None and guard.handle is not None:
+            guard.handle.remove()
+
+
 def _delayed_layers(models) -> List[nn.Module]:
     seen: Dict[int, nn.Module] = {}
     for model in models:

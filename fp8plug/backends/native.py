@@ -44,7 +44,7 @@ from . import _fused_cast as fused_cast
 from . import _fused_norm as fused_norm
 from . import _shared_input as shared_input
 from ._native_cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
-from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
+from ._native_steps import _TRACKED, sync_delayed_scaling, track_for_sync, untrack_for_sync  # noqa: F401  (the end-of-step update)
 from .base import Engine, Probe, Speed
 from .padding import pad_tokens, token_count
 from .region import fp8_now, fp8_region
@@ -414,6 +414,7 @@ class NativeEngine(Engine):
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
+        untrack_for_sync(model)  # no FP8 layers left to guard or to end steps for
         for fqn, module in list(model.named_modules()):
             if isinstance(module, NativeFP8Linear):
                 replace_module(model, fqn, plain_linear(module, module.weight, module.bias))
