@@ -1,6 +1,6 @@
 """fp8plug: one FP8 training plugin for PyTorch and Accelerate, whichever engine is installed.
 
-`import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass and the
+`import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass, export_model and the
 torchao/OLMo-core shaped entry points (fp8plug.float8) load on first use.
 """
 
@@ -13,7 +13,7 @@ from .recipe import FP8RecipeKwargs
 
 __version__ = "0.1.0"
 
-_LAZY = {"Accelerator": "fp8plug.accelerator", "float8": "fp8plug.float8"}
+_LAZY = {"Accelerator": "fp8plug.accelerator", "float8": "fp8plug.float8", "export_model": "fp8plug.export"}
 
 
 def __getattr__(name):
@@ -34,6 +34,7 @@ __all__ = [
     "apply_fp8_autowrap",
     "contextual_fp8_autocast",
     "convert_model",
+    "export_model",
     "float8",
     "fp8_coverage",
     "get_backend",
