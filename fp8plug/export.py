@@ -8,14 +8,17 @@ state-dict keys, the skipped-step guard, attention position notes). A model to s
 plain `nn.Linear`s and none of that: `export_model` gives it.
 
 The FP8 checkpoint (`save_fp8_checkpoint`) holds every eligible Linear's weight in float8_e4m3fn
-with a float32 per-tensor scale (fp8plug.export_formats), everything else in its trained dtype,
-and config.json with the `quantization_config` vLLM and SGLang read. Scales come from the final
-weights' own amax (max |w| / 448), not from the training run's scaling state, which was set from
-the weights of the step before. The directory is replaced as one change (fp8plug.export_dir).
+with float32 scales, in the layout asked for (fp8plug.export_formats: "block", 128x128 tiles, which
+transformers, vLLM and SGLang read, or "per_tensor", vLLM's and SGLang's), everything else in its
+trained dtype, and config.json with the `quantization_config` those clients read. Scales come
+from the final weights' own amax (max |w| / 448 per tile or tensor), not from the training run's
+scaling state, which was set from the weights of the step before. The directory is replaced as
+one change (fp8plug.export_dir).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -71,29 +74,32 @@ class FP8CheckpointReport:
     kept in high precision (with why), and the files."""
 
     directory: str
-    layout: str = "per_tensor"
+    layout: str = "block"
     quantized: List[str] = field(default_factory=list)
     kept: Dict[str, str] = field(default_factory=dict)  # name -> why not in FP8
     files: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         kept = ", ".join(f"{n} ({why})" for n, why in self.kept.items()) or "none"
+        scales = "128x128 block" if self.layout == "block" else "per-tensor"
         return (f"FP8 checkpoint in {self.directory}: {len(self.quantized)} Linear weights in float8_e4m3fn "
-                f"with per-tensor scales; kept in high precision: {kept}")
+                f"with {scales} scales; kept in high precision: {kept}")
 
 
-def save_fp8_checkpoint(model: nn.Module, directory: str, *,
-                        modules_to_ignore: Optional[Sequence[str]] = None) -> FP8CheckpointReport:
+def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: Optional[Sequence[str]] = None,
+                        layout: str = "block", max_shard_size="5GB") -> FP8CheckpointReport:
     """Write `model` (a transformers PreTrainedModel, exported or still converted by any engine) to
-    `directory` as an FP8 inference checkpoint: model.safetensors, config.json with its
-    `quantization_config`, generation_config.json where the model generates. The model is not
-    changed; an older checkpoint in `directory` is replaced whole, other files there are kept
-    (fp8plug.export_dir).
+    `directory` as an FP8 inference checkpoint: safetensors (sharded past `max_shard_size`, with an
+    index), config.json with its `quantization_config`, generation_config.json where the model
+    generates. `layout`: "block" (transformers, vLLM, SGLang) or "per_tensor" (vLLM, SGLang);
+    fp8plug.export_formats. The model is not changed; an older checkpoint in `directory` is
+    replaced whole, other files there are kept (fp8plug.export_dir).
 
     Kept in high precision, and listed in the config: the output head and weights tied to another
     tensor, the Linears `modules_to_ignore` names (fully-qualified, checked as FP8RecipeKwargs
     checks them), those the model class keeps in float32, Linears whose width is not a multiple of
     16, and the siblings vLLM fuses with any of these (q/k/v, gate/up)."""
+    layout = formats.check_layout(layout)
     inner = _unwrapped(model)
     _refuse_unwritable(inner)
     ignore = () if modules_to_ignore is None else module_name_list(
@@ -101,14 +107,20 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *,
     check_module_names(inner, ignore)
     state = _plain_weights(inner)
     linears = _linears(inner)
-    report = FP8CheckpointReport(os.fspath(directory))
+    report = FP8CheckpointReport(os.fspath(directory), layout)
     report.kept = _kept(inner, linears, state, ignore)
     report.quantized = [name for name in linears if name not in report.kept]
-    tensors = _tensors(state, report.quantized)
+    tensors = _tensors(state, report.quantized, layout)
+    if layout == "block":
+        refused = formats.block_warnings({n: linears[n] for n in report.quantized})
+        if refused:
+            logger.warning("fp8plug: vLLM refuses the block layout for a fused layer whose parts (but the last) have "
+                           "out_features not a multiple of 128, as %d here (%s%s); use layout='per_tensor' for vLLM.",
+                           len(refused), "; ".join(refused[:2]), ", ..." if len(refused) > 2 else "")
     entry = formats.model_config(inner)
-    entry["quantization_config"] = formats.quantization_config(report.kept)
+    entry["quantization_config"] = formats.quantization_config(layout, report.kept)
     with replacing(directory) as work:
-        report.files = formats.write_weights(tensors, work)
+        report.files = formats.write_weights(tensors, work, max_shard_size)
         formats.write_json(os.path.join(work, "config.json"), entry)
         report.files.append("config.json")
         if _generates(inner):
@@ -119,16 +131,18 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *,
 
 
 def load_fp8_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
-    """The state dict of a `save_fp8_checkpoint` directory with every FP8 weight dequantized to
-    float32 (fp8 x weight_scale) and the scales dropped: what loads into the plain architecture, to
-    check the checkpoint without an inference server."""
+    """The state dict of a `save_fp8_checkpoint` directory (either layout, sharded or not) with
+    every FP8 weight dequantized to float32 (fp8 x scale) and the scales dropped: what loads into
+    the plain architecture, to check the checkpoint without an inference client."""
+    with open(os.path.join(directory, "config.json")) as f:
+        block = (json.load(f).get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
     tensors = formats.read_weights(directory)
     state = {}
     for name, tensor in tensors.items():
-        if name.endswith(".weight_scale"):
+        if name.endswith((".weight_scale", ".weight_scale_inv")):
             continue
         scale = formats.scale_of(tensors, name) if name.endswith(".weight") else None
-        state[name] = formats.dequantize(tensor, scale) if scale is not None else tensor
+        state[name] = formats.dequantize(tensor, scale, block[0]) if scale is not None else tensor
     return state
 
 
@@ -215,7 +229,7 @@ def _refuse_unwritable(model: nn.Module) -> None:
         raise TypeError(
             f"save_fp8_checkpoint: expected a transformers PreTrainedModel (it writes the model's config "
             f"with the quantization entry), got {type(model).__name__}; for other models use "
-            "fp8plug.export_formats.quantize_per_tensor per Linear.")
+            "fp8plug.export_formats.quantize_blocks or quantize_per_tensor per Linear.")
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_meta:
             raise ValueError(
@@ -293,17 +307,18 @@ def _kept(model: nn.Module, linears: Dict[str, nn.Module], state: Dict[str, torc
     return dict(sorted(kept.items()))
 
 
-def _tensors(state: Dict[str, torch.Tensor], quantized: List[str]) -> Dict[str, torch.Tensor]:
+def _tensors(state: Dict[str, torch.Tensor], quantized: List[str], layout: str) -> Dict[str, torch.Tensor]:
     """The checkpoint's tensors: each storage once (tied weights under their first name), the
     `quantized` Linears' weights in FP8 with their scales."""
     fp8 = {f"{name}.weight": name for name in quantized}
+    scale_name = formats.SCALE_NAMES[layout]
     seen, tensors = set(), {}
     for key, tensor in state.items():
         if tensor.numel() and tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
         if key in fp8:
-            tensors[key], tensors[f"{fp8[key]}.weight_scale"] = formats.quantize_per_tensor(tensor)
+            tensors[key], tensors[f"{fp8[key]}.{scale_name}"] = formats.quantize(tensor, layout)
         else:
             tensors[key] = tensor.detach()
     return tensors
