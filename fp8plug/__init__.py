@@ -1,6 +1,6 @@
 """fp8plug: one FP8 training plugin for PyTorch and Accelerate, whichever engine is installed.
 
-`import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass and the
+`import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass, export_model and the
 torchao/OLMo-core shaped entry points (fp8plug.integrations.float8) load on first use.
 """
 
@@ -20,7 +20,8 @@ from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 __version__ = "0.1.0"
 
-_LAZY = {"Accelerator": "fp8plug.integrations.accelerator", "float8": "fp8plug.integrations.float8"}
+_LAZY = {"Accelerator": "fp8plug.integrations.accelerator", "float8": "fp8plug.integrations.float8",
+         "export_model": "fp8plug.checkpoints.export"}
 install_old_paths()
 
 
@@ -42,6 +43,7 @@ __all__ = [
     "apply_fp8_autowrap",
     "contextual_fp8_autocast",
     "convert_model",
+    "export_model",
     "float8",
     "fp8_coverage",
     "get_backend",

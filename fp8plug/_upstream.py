@@ -272,3 +272,37 @@ def report_unpacked_while(predicate) -> None:
 
     find_packed_sequence_indices.fp8plug_predicate = predicate
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
+# --- transformers: which Linears its FP8 loader keeps in high precision ----------------------------
+# Relies on: `PreTrainedModel._keep_in_fp32_modules` (and `_keep_in_fp32_modules_strict`), name
+# patterns that every quantizer, the FP8 one included, adds to the modules it does not convert
+# (HfQuantizer.get_modules_to_not_convert), matched as `transformers.quantizers.quantizers_utils.
+# should_convert_module` matches them. Checked: 5.23.0, 5.24.0.
+def keep_in_fp32_patterns(model) -> List[str]:
+    """The module name patterns transformers keeps in float32 for `model`'s class."""
+    patterns: List[str] = []
+    for name in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        patterns += list(getattr(model, name, None) or ())
+    return patterns
+
+
+def matches_module_patterns(name: str, patterns: List[str]) -> bool:
+    """Whether transformers' quantizers would leave module `name` alone for `patterns`."""
+    if not patterns:
+        return False
+    try:
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    except ImportError:  # pragma: no cover - a transformers without it: suffix match, its rule 3
+        return any(name == p or name.endswith("." + p) for p in patterns)
+    return not should_convert_module(name, patterns)
+
+
+# --- accelerate: the forward prepare() wrapped ------------------------------------------------------
+# Relies on: what restore_forward relies on (`model._original_forward`, set by prepare() where it
+# wraps the forward in autocast). For a model compiled before prepare(), accelerate 1.15.0 leaves
+# there the compiled module's call (Module._wrapped_call_impl), not a forward, so fp8plug.checkpoints.export
+# only drops it and unwinds the wrappers itself. Checked: 1.8.0, 1.15.0.
+def drop_original_forward(model) -> bool:
+    """Forget the forward prepare() kept; whether there was one (the forward is accelerate's wrapper)."""
+    return model.__dict__.pop("_original_forward", None) is not None

@@ -55,6 +55,14 @@ def track(model: nn.Module, engine: "Engine") -> None:
     _install_hook()
 
 
+def untrack(model: nn.Module) -> None:
+    """Stop ending steps for `model` and the modules inside it (an exported or unconverted model)."""
+    for module in model.modules():
+        _TRACKED.pop(module, None)
+        if _MARK in module.__dict__:
+            delattr(module, _MARK)
+
+
 def _install_hook() -> None:
     if not _HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -214,13 +214,7 @@ def plan_conversion(
     check_convertible(model)
     ignore = set(modules_to_ignore or ())
     paths = module_paths(model)
-    names = {name for aliases in paths.values() for name in aliases}
-    unknown = sorted(ignore - names)
-    if unknown:
-        raise ConversionError(
-            f"modules_to_ignore names {unknown} that match no module of {type(model).__name__}; "
-            "use fully-qualified names as model.named_modules() gives them, e.g. 'layers.0.mlp.up'."
-        )
+    check_module_names(model, ignore, paths)
     report = ConversionReport(backend)
     targets: List[Tuple[str, nn.Module]] = []
     attention = _attention_modules(model) if nn.Linear in eligible else {}
@@ -276,6 +270,19 @@ def plan_conversion(
             continue
         targets.append((fqn, module))
     return targets, report
+
+
+def check_module_names(model: nn.Module, names: Iterable[str], paths: Optional[Dict[str, List[str]]] = None) -> None:
+    """Refuse `modules_to_ignore` entries that name no module of `model` (under any of its names):
+    almost always a typo, which would leave the module it meant unprotected."""
+    paths = module_paths(model) if paths is None else paths
+    known = {name for aliases in paths.values() for name in aliases}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ConversionError(
+            f"modules_to_ignore names {unknown} that match no module of {type(model).__name__}; "
+            "use fully-qualified names as model.named_modules() gives them, e.g. 'layers.0.mlp.up'."
+        )
 
 
 def _attention_modules(model: nn.Module) -> Dict[str, str]:

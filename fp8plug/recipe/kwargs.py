@@ -252,7 +252,10 @@ def _scaling(value, label: str):
     return modes[0] if len(set(modes)) == 1 else modes
 
 
-def _module_names(value, label: str) -> Optional[Tuple[str, ...]]:
+def module_name_list(value, label: str = "FP8RecipeKwargs.modules_to_ignore") -> Optional[Tuple[str, ...]]:
+    """`value` as a tuple of module names, or ValueError naming `label`: a list of strings, never one
+    bare string (iterating "lm_head" would give its letters). fp8plug.checkpoints.export checks its
+    own `modules_to_ignore` with it too."""
     if value is None:
         return None
     if isinstance(value, str) or not all(isinstance(n, str) for n in value):
@@ -334,7 +337,7 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "fp8_format": OneOf(FP8_FORMATS, str.upper),
     "override_linear_precision": _override,
     "scaling": _scaling,
-    "modules_to_ignore": _module_names,
+    "modules_to_ignore": module_name_list,
     "module_filter_fn": _module_filter,
     "enable_fsdp_float8_all_gather": parse_bool,
     "pad_inner_dim": parse_bool,

@@ -147,10 +147,11 @@ def test_fp8_checkpoint_holds_e4m3_weights_and_reloads_within_fp8_error(tmp_path
 
     accelerator, model = trained_model()
     plain = export_model(accelerator.unwrap_model(model)).eval()
-    report = save_fp8_checkpoint(plain, tmp_path)
+    report = save_fp8_checkpoint(plain, tmp_path, layout="per_tensor")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                             "ignored_layers": ["lm_head"]}
+                                             "weight_block_size": None, "ignored_layers": ["lm_head"],
+                                             "modules_to_not_convert": ["lm_head"]}
     assert report.kept == {"lm_head": "tied to model.embed_tokens.weight"} and len(report.quantized) == 14
     with safe_open(os.fspath(tmp_path / "model.safetensors"), "pt") as f:
         names = set(f.keys())

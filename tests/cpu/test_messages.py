@@ -17,7 +17,7 @@ from fp8plug.backends.base import Probe, quiet_import_noise
 from fp8plug.tuning.hardware import DeviceInfo
 from tests.support.processes import child_env
 
-TROUBLESHOOTING = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+TROUBLESHOOTING = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 CPU = DeviceInfo("cpu", "x86_64")
 

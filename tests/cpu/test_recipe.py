@@ -142,7 +142,7 @@ def test_fp8plug_variables_set_by_hand(monkeypatch):
 def test_delayed_scaling_settings_are_documented_as_declared():
     """docs/recipe.md's tables give each of DelayedScaling's settings with its default, its
     environment variables and its bounds, as fp8plug.recipe.scalings declares them."""
-    rows = [line for line in (Path(__file__).resolve().parents[1] / "docs" / "recipe.md").read_text().splitlines()
+    rows = [line for line in (Path(__file__).resolve().parents[2] / "docs" / "recipe.md").read_text().splitlines()
             if line.startswith("| `")]
     for setting in dataclasses.fields(DelayedScaling):
         row = next((r for r in rows if r.startswith(f"| `{setting.name}` | `")), "")

@@ -36,7 +36,12 @@ from fp8plug.backends.native import fused_cast
 from fp8plug.backends.native import fused_norm
 from fp8plug.backends.native import shared_input
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
-from fp8plug.backends.native.steps import _TRACKED, sync_delayed_scaling, track_for_sync  # noqa: F401  (the end-of-step update)
+from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
+    _TRACKED,
+    sync_delayed_scaling,
+    track_for_sync,
+    untrack_for_sync,
+)
 from fp8plug.backends.base import Engine, Probe, Speed
 from fp8plug.backends.padding import pad_tokens, token_count
 from fp8plug.backends.region import fp8_now, fp8_region
@@ -400,6 +405,7 @@ class NativeEngine(Engine):
         return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
+        untrack_for_sync(model)  # no FP8 layers left to guard or to end steps for
         for fqn, module in list(model.named_modules()):
             if isinstance(module, NativeFP8Linear):
                 replace_module(model, fqn, plain_linear(module, module.weight, module.bias))

@@ -85,6 +85,16 @@ def _drop_copied_guards(module: nn.Module) -> None:
             del module._forward_pre_hooks[key]
 
 
+def untrack_for_sync(model: nn.Module) -> None:
+    """Take the skipped-step guards of track_for_sync off `model` and the modules inside it (their
+    FP8 layers are gone); converting it again puts a fresh one on. fp8plug.steps' tracking, shared
+    by every engine, is left to the caller (fp8plug.steps.untrack)."""
+    for module in model.modules():
+        guard = _TRACKED.pop(module, None)
+        if guard is not None and guard.handle is not None:
+            guard.handle.remove()
+
+
 def _delayed_layers(models) -> List[nn.Module]:
     seen: Dict[int, nn.Module] = {}
     for model in models:

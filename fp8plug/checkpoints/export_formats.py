@@ -1,0 +1,180 @@
+"""The FP8 checkpoint layouts inference clients read, and the files that hold them.
+
+Two layouts, both float8_e4m3fn weights with float32 scales that multiply (weight ~= fp8 x scale),
+activations quantized by the client at run time (`activation_scheme: "dynamic"`):
+
+- "block" (`LAYOUTS[0]`, the default): one scale per 128x128 tile, `<linear>.weight_scale_inv` of
+  shape [ceil(out/128), ceil(in/128)] (a multiplier despite its name, DeepSeek-V3's convention),
+  `weight_block_size: [128, 128]`. transformers' FP8 loader (FineGrainedFP8Config), vLLM and
+  SGLang all read it. vLLM fuses q/k/v and gate/up into one layer and then needs each part but the
+  last to have a multiple of 128 rows (all of them under tensor parallelism, and in its older
+  releases): `block_warnings`.
+- "per_tensor": one scalar `<linear>.weight_scale` per Linear, `weight_block_size: null`: what vLLM
+  and SGLang read for per-tensor FP8 (any shape; a fused layer takes one scale per part).
+  transformers' per-tensor FP8Linear names the same scalar `weight_scale_inv`, so its
+  `from_pretrained` needs `key_mapping=TRANSFORMERS_PER_TENSOR_KEYS` for this layout; without it
+  the scale is dropped as an unexpected key.
+
+`quantization_config` lists the Linears kept in high precision under both names clients read:
+`modules_to_not_convert` (transformers; given, it replaces transformers' own default list, so
+every kept Linear is named) and `ignored_layers` (vLLM, SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+BLOCK = 128
+LAYOUTS = ("block", "per_tensor")
+SCALE_NAMES = {"block": "weight_scale_inv", "per_tensor": "weight_scale"}
+TRANSFORMERS_PER_TENSOR_KEYS = {r"\.weight_scale$": ".weight_scale_inv"}
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# vLLM and SGLang run these sibling Linears as one fused layer, in one precision.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"save_fp8_checkpoint(layout={layout!r}): give one of {', '.join(map(repr, LAYOUTS))} "
+                         "(fp8plug.checkpoints.export_formats says which clients read which).")
+    return layout
+
+
+def quantize_per_tensor(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight in float8_e4m3fn, float32 scalar scale) with weight ~= fp8 * scale."""
+    w = weight.detach().float()
+    amax = w.abs().max()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale.reshape(())
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight in float8_e4m3fn, float32 scales [ceil(out/block), ceil(in/block)]), one scale per
+    block x block tile (the last row and column of tiles may be partial), weight ~= fp8 * scale."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    tiles_r, tiles_c = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(tiles_r * block, tiles_c * block, dtype=w.dtype, device=w.device)
+    padded[:rows, :cols] = w
+    amax = padded.reshape(tiles_r, block, tiles_c, block).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    full = expand_blocks(scale, rows, cols, block)
+    return (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: int = BLOCK) -> torch.Tensor:
+    """Per-tile scales repeated over their tiles, cut to the weight's [rows, cols]."""
+    return scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+
+
+def quantize(weight: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks(weight) if layout == "block" else quantize_per_tensor(weight)
+
+
+def dequantize(fp8: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """float32 weight of either layout (a 2-d scale is per `block` x `block` tile)."""
+    if scale.dim() == 2:
+        return fp8.float() * expand_blocks(scale.float(), fp8.shape[0], fp8.shape[1], block)
+    return fp8.float() * scale.float()
+
+
+def quantization_config(layout: str, kept: Iterable[str]) -> dict:
+    """config.json's `quantization_config` for `layout` with the Linears `kept` in high precision."""
+    kept = sorted(kept)
+    return {"quant_method": "fp8", "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK] if layout == "block" else None,
+            "modules_to_not_convert": kept, "ignored_layers": kept}
+
+
+def fused_siblings(names: Iterable[str]) -> Dict[str, List[str]]:
+    """name -> the other Linears (among `names`) it is fused with in vLLM and SGLang."""
+    names = set(names)
+    siblings: Dict[str, List[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        for group in FUSED_GROUPS:
+            if leaf in group:
+                others = [f"{parent}.{o}" if parent else o for o in group if o != leaf]
+                siblings[name] = [o for o in others if o in names]
+    return siblings
+
+
+def block_warnings(linears: Dict[str, nn.Linear]) -> List[str]:
+    """Why vLLM would refuse some of the block layout's `linears`: a fused part (not the last) whose
+    out_features is not a multiple of 128."""
+    problems = []
+    for name, module in sorted(linears.items()):
+        parent, _, leaf = name.rpartition(".")
+        for group in FUSED_GROUPS:
+            if leaf in group[:-1] and module.out_features % BLOCK:
+                problems.append(f"{name} (out_features={module.out_features}, fused with "
+                                f"{', '.join(g for g in group if g != leaf)})")
+    return problems
+
+
+def model_config(model: nn.Module) -> dict:
+    """The model's config as `save_pretrained` writes it: the class under `architectures` and the
+    weights' dtype under `dtype` (a config built by hand has both null), without changing the model."""
+    entry = model.config.to_dict()
+    entry["architectures"] = [type(model).__name__]
+    entry["dtype"] = str(_dtype(model)).rpartition(".")[2]
+    return entry
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
+def write_json(path: str, entry: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(entry, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_weights(tensors: Dict[str, torch.Tensor], directory: str, max_shard_size) -> List[str]:
+    """`tensors` as safetensors in `directory`: one model.safetensors, or shards with
+    model.safetensors.index.json when they exceed `max_shard_size` (as save_pretrained names them).
+    Returns the file names written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n].contiguous().cpu() for n in names}, os.path.join(directory, filename),
+                  metadata={"format": "pt"})
+    files = list(split.filename_to_tensors)
+    if split.is_sharded:
+        write_json(os.path.join(directory, INDEX_NAME),
+                   {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)})
+        files.append(INDEX_NAME)
+    return files
+
+
+def read_weights(directory: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint in `directory`, sharded (through its index) or not."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, INDEX_NAME)
+    if not os.path.isfile(index):
+        return load_file(os.path.join(directory, WEIGHTS_NAME))
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    tensors: Dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def scale_of(tensors: Dict[str, torch.Tensor], weight_name: str) -> Optional[torch.Tensor]:
+    """The scale stored beside `<linear>.weight`, in either layout, or None."""
+    stem = weight_name[: -len("weight")]
+    return tensors.get(stem + "weight_scale_inv", tensors.get(stem + "weight_scale"))
