@@ -94,3 +94,27 @@ def test_env_imports_no_transformers(tmp_path):
     modules, result = _modules_after(["env", "--device", "cpu"], tmp_path)
     assert "automatic choice" in result.stdout, result.stderr
     assert "torch" in modules and "transformers" not in modules, modules
+
+
+# --- the test run's summary ----------------------------------------------------------------------
+
+
+def test_skips_are_summed_by_reason_not_listed_one_by_one(tmp_path):
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('n', range(3))\n"
+        "def test_needs_a_gpu(n):\n"
+        "    pytest.skip('needs a GPU')\n\n"
+        "def test_needs_something_else():\n"
+        "    pytest.skip('needs something else')\n\n"
+        "def test_runs():\n"
+        "    assert True\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "setup.cfg"), "--rootdir", str(tmp_path),
+         "-p", "tests.conftest", "-p", "no:cacheprovider", str(tmp_path / "test_skips.py")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=child_env(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SKIPPED [" not in result.stdout, result.stdout
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert "3  needs a GPU" in lines and "1  needs something else" in lines, result.stdout
+    assert any("4 skipped, by reason" in line for line in lines), result.stdout
