@@ -1,37 +1,62 @@
 """fp8plug: one FP8 training plugin for PyTorch and Accelerate, whichever engine is installed.
 
-`import fp8plug` imports no FP8 engine; they load when selected. The Accelerator subclass, export_model and the
-torchao/OLMo-core shaped entry points (fp8plug.integrations.float8) load on first use.
+`import fp8plug` imports no FP8 engine (they load when selected), nor torch: every public name,
+the Accelerator subclass, export_model and the torchao/OLMo-core shaped entry points
+(fp8plug.float8) included, loads on first use.
 """
 
 from fp8plug._old_paths import install_old_paths
-from fp8plug.autocast import apply_fp8_autowrap, contextual_fp8_autocast, remove_fp8_autowrap
-from fp8plug.api import (
-    convert_model,
-    has_fp8_layers,
-    has_transformer_engine_layers,
-    sync_fp8_scaling,
-    unconvert_model,
-)
-from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
-from fp8plug.layers.rules import ConversionError, ConversionReport
-from fp8plug.coverage import fp8_coverage
-from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 __version__ = "0.1.0"
 
-_LAZY = {"Accelerator": "fp8plug.integrations.accelerator", "float8": "fp8plug.integrations.float8",
-         "export_model": "fp8plug.checkpoints.export"}
-install_old_paths()
+# Every public name, with the module it lives in. They load on first use (PEP 562), so that
+# `import fp8plug` imports neither torch nor accelerate: `fp8plug --help` and the other CLI paths
+# that need neither answer at once (fp8plug.cli), and `from fp8plug import convert_model` works
+# as before.
+_LAZY = {
+    "Accelerator": "integrations.accelerator",
+    "BackendUnavailableError": "backends",
+    "ConversionError": "layers.rules",
+    "ConversionReport": "layers.rules",
+    "FP8RecipeKwargs": "recipe.kwargs",
+    "TERecipeKwargs": "recipe.kwargs",
+    "apply_fp8_autowrap": "autocast",
+    "contextual_fp8_autocast": "autocast",
+    "convert_model": "api",
+    "export_model": "checkpoints.export",
+    "fp8_coverage": "coverage",
+    "get_backend": "backends",
+    "has_fp8_layers": "api",
+    "has_transformer_engine_layers": "api",
+    "remove_fp8_autowrap": "autocast",
+    "select_backend": "backends",
+    "sync_fp8_scaling": "api",
+    "unconvert_model": "api",
+}
+install_old_paths()  # `import fp8plug.export`, `fp8plug.float8`, ... : the flat layout's paths
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    """A public name (or a submodule, as `fp8plug.roofline`), imported on first use."""
+    import importlib
 
-        module = importlib.import_module(_LAZY[name])
-        return module if name == "float8" else getattr(module, name)
-    raise AttributeError(f"module 'fp8plug' has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    elif not name.startswith("_"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'fp8plug' has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module 'fp8plug' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
@@ -40,6 +65,7 @@ __all__ = [
     "ConversionError",
     "ConversionReport",
     "FP8RecipeKwargs",
+    "TERecipeKwargs",
     "apply_fp8_autowrap",
     "contextual_fp8_autocast",
     "convert_model",

@@ -9,11 +9,12 @@ from typing import Optional
 from torch import nn
 
 from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
-from fp8plug.backends import get_backend, select_backend
+from fp8plug.backends import Selection, get_backend, judge, select_backend
 from fp8plug.backends.base import Engine
 from fp8plug.layers.rules import ConversionError, ConversionReport
-from fp8plug.coverage import describe_engine, log_conversion, logger
+from fp8plug.coverage import describe_engine, is_main_process, log_conversion, logger
 from fp8plug.hf.fp8_attention import use_fp8_attention
+from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.recipe.plans import Plan, make_plan
 from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
 from fp8plug.backends.steps import end_step
@@ -33,10 +34,15 @@ def convert_model(
     LayerNorm/RMSNorm, the native engine's fused Llama-style RMSNorms), or back to torch modules
     with `to_transformer_engine=False`.
 
-    Accelerate's signature, for any engine: `backend` (or `recipe.backend`) picks it, None chooses
-    automatically (fp8plug.backends.select_backend): on an FP8 GPU by measured speed, in the mode
-    `compiled` names (whether you will torch.compile the model) or, left None, for either; without
-    FP8 GEMMs TransformerEngine where it runs, else torchao, else native. As in Accelerate,
+    Accelerate's signature, with Accelerate's meaning: called as Accelerate's API (no `recipe`,
+    `backend` nor `compiled`, and no engine named by ACCELERATE_FP8_BACKEND), it converts to
+    TransformerEngine where TE runs, so `has_transformer_engine_layers(model)` is then True; where
+    TE does not run, the automatic choice below converts instead, and why TE could not is logged
+    once. For any engine: `backend` (or `recipe.backend`) picks it; `backend="auto"`, or any
+    `recipe` whose backend is None, takes the automatic choice (fp8plug.backends.select_backend,
+    the Accelerator's default): on an FP8 GPU by measured speed, in the mode `compiled` names
+    (whether you will torch.compile the model) or, left None, for either; without FP8 GEMMs
+    TransformerEngine where it runs, else torchao, else native. As in Accelerate,
     every eligible layer is converted: the automatic speed filter acts here only when the recipe
     asks for it (`auto_filter=True`). Logs one line under the `fp8plug` logger (fp8plug.coverage).
     Returns the ConversionReport of what was converted and why anything was skipped (None when
@@ -46,14 +52,43 @@ def convert_model(
     if not to_transformer_engine:
         unconvert_model(model)
         return None
+    accelerate_call = recipe is None and backend is None and compiled is None
     recipe = recipe or FP8RecipeKwargs(backend=backend)
-    selection = select_backend(backend or recipe.backend, compiled=compiled)
+    if accelerate_call and recipe.backend is None:
+        selection = transformer_engine_first()
+    else:
+        selection = select_backend(backend or recipe.backend, compiled=compiled)
     recipe = selection.tune(recipe)
     plan = make_plan(selection.backend, recipe, selection.device, auto_filter=recipe.auto_filter is True)
     report = convert_with_plan(model, selection.backend, plan, linear=_convert_linear, norm=_convert_ln is not False)
     if _convert_ln:
         _warn_norms_left(model, report, selection.backend)
     return report
+
+
+_TE_PASSED_OVER = set()  # the reasons already logged, once per process each
+
+
+def transformer_engine_first(device=None) -> Selection:
+    """convert_model's engine when it is called as Accelerate's API: TransformerEngine where it
+    runs, as Accelerate's convert_model documents ("converts ... to their transformers_engine
+    counterpart"); else the automatic choice (select_backend), after logging once why TE could not
+    run. The speed-ranked automatic choice stays the Accelerator's default and `backend="auto"`
+    away for convert_model."""
+    info = device if isinstance(device, DeviceInfo) else device_info(device)
+    verdict = judge("te", info)
+    if verdict.usable:
+        return select_backend("te", info)
+    selection = select_backend(None, info)
+    if verdict.reason not in _TE_PASSED_OVER and is_main_process():
+        _TE_PASSED_OVER.add(verdict.reason)
+        logger.warning(
+            "fp8plug: convert_model(model) converts to TransformerEngine where it runs, as Accelerate's does; "
+            "TransformerEngine cannot run here (%s), so it converts with %s, the automatic choice "
+            "(has_transformer_engine_layers(model) stays False). Pass backend='auto' for the automatic choice "
+            "without this note, or name an engine (`fp8plug env` lists what runs here).",
+            verdict.reason, selection.name)
+    return selection
 
 
 def _warn_norms_left(model: nn.Module, report: ConversionReport, engine: Engine) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 
 from torch import nn
 
+from fp8plug.api import loaded_engines
 from fp8plug.backends import get_backend, select_backend
 from fp8plug.backends.base import Engine
 from fp8plug.recipe.plans import Plan, make_plan
@@ -22,10 +23,11 @@ from fp8plug.recipe.kwargs import FP8RecipeKwargs
 _MARK = "_fp8plug_autocast"
 
 
-def _resolve(fp8_recipe, backend):
+def _resolve(fp8_recipe, backend, model=None):
     """(engine, its plan), made once when the forward is wrapped, from an engine's plan (the
     Accelerator's), an FP8RecipeKwargs, or an engine's own recipe object, and an optional engine
-    (name or object)."""
+    (name or object). Where neither names an engine, the engine whose FP8 layers `model` holds
+    (_engine_holding), else the automatic choice."""
     if isinstance(fp8_recipe, Plan) and isinstance(backend, Engine):
         return backend, backend.plan_of(fp8_recipe)
     recipe = fp8_recipe if isinstance(fp8_recipe, FP8RecipeKwargs) else None
@@ -36,8 +38,22 @@ def _resolve(fp8_recipe, backend):
         engine = get_backend(backend or "te")
         return engine, engine.engine_recipe(fp8_recipe)
     recipe = recipe or FP8RecipeKwargs()
+    holding = _engine_holding(model) if backend is None and recipe.backend is None else None
+    if holding is not None:
+        return holding, make_plan(holding, recipe)
     selection = select_backend(backend or recipe.backend)
     return selection.backend, make_plan(selection.backend, recipe, selection.device)
+
+
+def _engine_holding(model) -> Optional[Engine]:
+    """The one engine whose FP8 layers `model` holds (None: no module, no FP8 layers, or several
+    engines'). An autocast with no engine named is that engine's: after `convert_model(model)`
+    converted to TransformerEngine, `apply_fp8_autowrap(model, FP8RecipeKwargs())` must wrap the
+    forward in TE's autocast, without which TE layers run in high precision."""
+    if not isinstance(model, nn.Module):
+        return None
+    holding = [e for e in loaded_engines() if any(e.is_converted(m) for m in model.modules())]
+    return holding[0] if len(holding) == 1 else None
 
 
 def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: bool = False, backend=None):
@@ -47,12 +63,13 @@ def contextual_fp8_autocast(model_forward, fp8_recipe=None, use_during_eval: boo
     As in Accelerate, the result takes the module as its first argument: bind it with
     `model.forward = types.MethodType(wrapped, model)` (apply_fp8_autowrap does this). `fp8_recipe`
     is an FP8RecipeKwargs (or a TransformerEngine recipe object, or the plan of the engine
-    `backend` names); `backend` picks the engine (default: the recipe's, else automatic).
+    `backend` names); `backend` picks the engine (default: the recipe's, else the engine whose FP8
+    layers the forward's module holds, else automatic).
     `__wrapped__` is the original forward.
     """
     original = model_forward.__wrapped__ if getattr(model_forward, _MARK, False) else model_forward
-    engine, plan = _resolve(fp8_recipe, backend)
     bound_to = getattr(original, "__self__", None)
+    engine, plan = _resolve(fp8_recipe, backend, bound_to)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

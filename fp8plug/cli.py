@@ -154,17 +154,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fp8plug", description="fp8plug: FP8 training for PyTorch and Accelerate")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command")
     env = commands.add_parser("env", help="report versions, the device, each FP8 engine and the automatic choice")
     env.add_argument("--device", default=None, help="device to judge (default: cuda if present, else cpu)")
     commands.add_parser("launch", add_help=False,
                         help="accelerate launch, with FP8 available where only fp8plug's native engine runs "
                              "(`fp8plug launch --help`: accelerate launch's arguments)")
     bench = commands.add_parser("bench", help="time Linear forward+backward per engine against bf16")
-    from fp8plug import bench as bench_module
+    if _command(argv) == "bench":  # its options need torch: built only for `fp8plug bench ...`
+        from fp8plug import bench as bench_module
 
-    bench_module.add_arguments(bench)
-    args = parser.parse_args(argv)
+        bench_module.add_arguments(bench)
+    args = _parse(parser, commands, argv)
     if args.command == "env":
         try:
             report = env_report(args.device)
@@ -180,6 +181,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         return 0
     return bench_module.run(args)
+
+
+def _command(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand `argv` names: its first argument that is not an option (the top-level
+    parser's only option is --help)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _parse(parser: argparse.ArgumentParser, commands, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, except that an argument nobody knows is named, with the usage of
+    the subcommand it was given to (argparse alone says "required: command" for `fp8plug --bogus`
+    and shows the top-level usage for `fp8plug bench --bogus`). Exits with status 2 on an error,
+    as argparse does."""
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}; name a command: {', '.join(commands.choices)}"
+                     if unknown else f"name a command: {', '.join(commands.choices)}")
+    if unknown:
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ os.environ themselves (ACCELERATE_USE_DEEPSPEED, ...), and a module-scoped fixtu
 two tests must not see them. A test sets what it needs with monkeypatch.
 """
 
+import collections
 import os
 import sys
 
@@ -47,3 +48,17 @@ def clean_settings():
     yield
     _forget_settings()
     _fresh_accelerate()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The skipped tests, one line per distinct reason with how many: setup.cfg's `-r` leaves out
+    `s`, which lists every skip on its own line (64 on a machine without a GPU)."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason] += 1
+    if reasons:
+        terminalreporter.write_sep("=", f"{sum(reasons.values())} skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:4d}  {reason}")

@@ -40,6 +40,7 @@ FP8PLUG_FP8_DPA, with the same mask function and hooks (`register_attention`,
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
@@ -117,12 +118,19 @@ def _plain_causal(kwargs, causal_mask_function) -> bool:
     return q_length == kv_length
 
 
+def loaded_pretrained_model_class() -> Optional[type]:
+    """transformers' PreTrainedModel where transformers' modeling code is already imported, else
+    None: no transformers model can exist before it is, so a plain torch model never imports
+    transformers (whose import loads torchao and prints its noise, and takes seconds)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return getattr(modeling_utils, "PreTrainedModel", None)
+
+
 def transformers_models(model: nn.Module) -> Iterator[nn.Module]:
     """The outermost transformers PreTrainedModels in `model` (itself, or the ones it wraps, as a
     PEFT model wraps one)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    PreTrainedModel = loaded_pretrained_model_class()
+    if PreTrainedModel is None:
         return
     stack = [model]
     while stack:
@@ -136,9 +144,8 @@ def transformers_models(model: nn.Module) -> Iterator[nn.Module]:
 def _transformers_models_within(model: nn.Module) -> Iterator[nn.Module]:
     """`model` and every transformers model inside it (a CausalLM holds its base model): each is
     called with the caller's position ids or none, so each notes which."""
-    from transformers import PreTrainedModel
-
-    return (m for m in model.modules() if isinstance(m, PreTrainedModel))
+    PreTrainedModel = loaded_pretrained_model_class()
+    return (m for m in model.modules() if PreTrainedModel is not None and isinstance(m, PreTrainedModel))
 
 
 def model_configs(model: nn.Module) -> Iterator[Any]:

@@ -349,3 +349,13 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "fp8_dpa": parse_bool,
     **DELAYED_CHECKS,
 }
+
+
+def TERecipeKwargs(**fields) -> FP8RecipeKwargs:  # noqa: N802 - Accelerate's class name, kept
+    """Accelerate's `TERecipeKwargs(...)` under fp8plug: the FP8RecipeKwargs for TransformerEngine
+    (backend="te") with the same fields (`use_mxfp8_block_scaling` included), so a script that
+    imports it from fp8plug instead of accelerate.utils runs unchanged. Keyword arguments only."""
+    if "backend" in fields:
+        raise TypeError("TERecipeKwargs names TransformerEngine itself; for another engine use "
+                        "FP8RecipeKwargs(backend=...).")
+    return FP8RecipeKwargs(backend="te", **fields)
