@@ -4,7 +4,7 @@ A server reads `config.json`, the safetensors index and the shards it names toge
 export that replaced them one by one could be read (or left by a kill) half old, half new: FP8
 weights beside a plain config, or an old index naming old bf16 shards. So an export is written
 whole into a sibling, `<dir>.fp8plug-partial`, and swapped in by renaming directories (`_commit`;
-`_recover`, at the next export, finishes or undoes a swap a kill interrupted).
+`recover`, at the next export, finishes or undoes a swap a kill interrupted).
 
 The target may hold files that are not the model's (a tokenizer, a README, training logs). Those
 are carried into the new directory as hard links (copies where the filesystem has none) before
@@ -85,7 +85,7 @@ PREVIOUS_SUFFIX = ".fp8plug-previous"
 
 def _start(target: str) -> str:
     """An empty sibling of `target` to write into, after putting right a swap a kill interrupted."""
-    _recover(target)
+    recover(target)
     work = target + PARTIAL_SUFFIX
     if os.path.isdir(work):
         shutil.rmtree(work)
@@ -105,7 +105,7 @@ def _commit(target: str) -> None:
         shutil.rmtree(previous)
 
 
-def _recover(target: str) -> None:
+def recover(target: str) -> None:
     """Finish a swap a kill stopped between its two renames (forward when the new export's manifest
     is there, else back to the old directory); leftovers beside a whole `target` are removed."""
     work, previous = target + PARTIAL_SUFFIX, target + PREVIOUS_SUFFIX

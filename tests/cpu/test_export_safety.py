@@ -276,7 +276,7 @@ def test_a_failure_at_the_config_write_leaves_the_older_checkpoint_as_it_was(tmp
 KILLER = textwrap.dedent("""
     import json, os, signal, sys
     import safetensors.torch
-    from fp8plug import checkpoint_dir
+    from fp8plug.checkpoints import export_dir
     from fp8plug.checkpoints.export import save_fp8_checkpoint
     from tests.support.hf import tiny_llama
 
@@ -309,7 +309,7 @@ KILLER = textwrap.dedent("""
             real_rename(src, dst)
             if len(calls) == 1:
                 die()
-        checkpoint_dir.os.rename = rename
+        export_dir.os.rename = rename
     save_fp8_checkpoint(tiny_llama(seed=2), out)
 """)
 
@@ -317,9 +317,10 @@ KILLER = textwrap.dedent("""
 @pytest.mark.parametrize("where", ["weights", "config", "swap"])
 def test_a_kill_at_any_write_leaves_a_whole_checkpoint(tmp_path, where):
     """SIGKILL mid-export: the older checkpoint is there untouched; a kill between the swap's two
-    renames leaves no directory until the next export (or checkpoint_dir.recover) finishes the swap,
+    renames leaves no directory until the next export (or fp8plug.checkpoints.export_dir.recover) finishes the swap,
     the new export being complete by then. The next export writes a whole new one."""
     from fp8plug.checkpoints import directory as checkpoint_dir
+    from fp8plug.checkpoints import export_dir
 
     out = tmp_path / "out"
     before = older_checkpoint(out)
@@ -328,7 +329,7 @@ def test_a_kill_at_any_write_leaves_a_whole_checkpoint(tmp_path, where):
     assert run.returncode == -9, run.stderr[-2000:]
     if where == "swap":
         assert not out.exists()
-        checkpoint_dir.recover(str(out))
+        export_dir.recover(str(out))
         after = files_of(out)
         assert set(after) == {"model.safetensors", "config.json", "generation_config.json",
                               "tokenizer_config.json", os.path.join("runs", "log.txt"),
