@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     fp8 = requested_precision(None) == "fp8"
     # auto_filter=False: at these sizes the default filter would keep every layer in bf16 on a GPU
     handlers = [fp8plug.FP8RecipeKwargs(modules_to_ignore=["lm_head"], auto_filter=False)] if fp8 else []
-    accelerator = fp8plug.Accelerator(cpu=args.cpu, kwargs_handlers=handlers, gradient_accumulation_steps=args.grad_accum)
+    accelerator = fp8plug.Accelerator(cpu=args.cpu, kwargs_handlers=handlers,
+                                      gradient_accumulation_steps=args.grad_accum)
     info = {
         "rank": accelerator.process_index,
         "world_size": accelerator.num_processes,

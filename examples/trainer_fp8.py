@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     result = {
         "engine": accelerator.fp8_engine.name, "device": accelerator.device.type,
         "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-        "wrapper": type(trainer.model_wrapped).__name__, "converted": len(report.fp8_linears), "skipped": sorted(report.skipped),
+        "wrapper": type(trainer.model_wrapped).__name__, "converted": len(report.fp8_linears),
+        "skipped": sorted(report.skipped),
         "first_loss": losses[0], "last_loss": losses[-1], "losses": losses, "eval_loss": eval_loss,
         "reloaded_same_logits": same_logits, "reloaded_logits_rel_diff": logits_rel_diff,
         "reloaded_tied": reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,

@@ -240,7 +240,8 @@ class TrainerInternals:
 
 __all__ = [
     "AO_FP8", "AcceleratorInternals", "FP8EngineName", "NO_FP8", "TrainerInternals", "forget_prepared",
-    "is_prepared", "launcher_fp8_check", "prepared_models", "prepared_optimizers", "process_state_exists", "registered_objects",
+    "is_prepared", "launcher_fp8_check", "prepared_models", "prepared_optimizers", "process_state_exists",
+    "registered_objects",
     "restore_forward", "shared_precision", "storage_view", "trainer_builds_accelerator_with",
 ]
 

@@ -14,9 +14,8 @@ from typing import Optional, Sequence
 
 def env_report(device=None) -> str:
     """Versions, the device, every engine's availability with its reason, and the automatic choice."""
-    import torch
-
     import accelerate
+    import torch
 
     from fp8plug.backends import BackendUnavailableError, select_backend
     from fp8plug.tuning.hardware import device_info, parse_device
@@ -39,7 +38,9 @@ def env_report(device=None) -> str:
             ranked = select_backend(None, info, compiled=compiled)
             if ranked.mode:
                 lines.append(f"  for a {ranked.mode} model: {ranked.summary()}")
-        lines.append(f"auto_filter  {auto_filter_status(selection.name, info) if settings_problem is None else 'not judged: the FP8 settings above are bad'}")
+        status = (auto_filter_status(selection.name, info) if settings_problem is None
+                  else "not judged: the FP8 settings above are bad")
+        lines.append(f"auto_filter  {status}")
     except BackendUnavailableError as exc:
         lines.append(str(exc))
         lines.append("automatic choice: none")

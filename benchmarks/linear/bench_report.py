@@ -4,7 +4,8 @@ one table per mode) and, if matplotlib is installed, speedup.png.
 Every option of `fp8plug bench` works here too; --out replaces --json/--csv.
 
     python3 benchmarks/linear/bench_report.py --out out/linear                 # GPU: 70B shapes, eager+compiled
-    python3 benchmarks/linear/bench_report.py --out out/sweep --shapes sweep   # for fp8plug.tuning.roofline_fit.calibrate
+    # for fp8plug.tuning.roofline_fit.calibrate:
+    python3 benchmarks/linear/bench_report.py --out out/sweep --shapes sweep
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def main():
                 row[name] = gpu_ms(lambda: fused_cast.cast_transpose(t, scale, scaled, E4M3, 0))
         best = min((k for k in row if k[0].isdigit()), key=row.get)
         rows.append(row)
-        print(f"{text}: torch compiled {row['torch_compiled_ms']:.3f} ms ({traffic / row['torch_compiled_ms'] / 1e6:.0f} GB/s); "
+        print(f"{text}: torch compiled {row['torch_compiled_ms']:.3f} ms "
+              f"({traffic / row['torch_compiled_ms'] / 1e6:.0f} GB/s); "
               + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k[0].isdigit())
               + f"; best {best} ({traffic / row[best] / 1e6:.0f} GB/s)", flush=True)
     if args.json:

@@ -89,8 +89,10 @@ def main(argv=None) -> int:
             print(f"{mode} M={m} done", file=sys.stderr, flush=True)
     for row in rows:  # an odd count against the aligned count it is padded to, where measured
         padded = aligned_up(row["M"])
-        twin = next((r for r in rows if r["M"] == padded and r["engine"] == row["engine"] and r["mode"] == row["mode"]), None)
-        row["vs_padded"] = (row["ms"] / twin["ms"]) if padded != row["M"] and twin and row["ms"] and twin["ms"] else None
+        twin = next((r for r in rows
+                     if r["M"] == padded and r["engine"] == row["engine"] and r["mode"] == row["mode"]), None)
+        row["vs_padded"] = ((row["ms"] / twin["ms"])
+                            if padded != row["M"] and twin and row["ms"] and twin["ms"] else None)
     print(table(rows, device, k, n))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +108,8 @@ def table(rows, device, k, n) -> str:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         ms = r["error"] if r["error"] else fmt(r["ms"], ".3f")
         speed = "" if r["engine"] == bench.BF16 else fmt(r["speedup"], ".2f")
-        lines.append(f"| {r['mode']} | {r['M']} | {r['engine']} | {ms} | {speed} | {fmt(r['vs_padded'], '.2f')} | {r['fp8'] or ''} |")
+        lines.append(f"| {r['mode']} | {r['M']} | {r['engine']} | {ms} | {speed} | "
+                     f"{fmt(r['vs_padded'], '.2f')} | {r['fp8'] or ''} |")
     return "\n".join(lines)
 
 

@@ -58,7 +58,8 @@ def plot(data: dict, out: str, title: str = "") -> str:
         if engines:
             ax.legend(fontsize=8)
     meta = data.get("meta", {})
-    fig.suptitle(title or f"FP8 Linear forward+backward vs bf16\n{meta.get('device', '?')}, torch {meta.get('torch', '?')}",
+    fig.suptitle(title or (f"FP8 Linear forward+backward vs bf16\n"
+                           f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}"),
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

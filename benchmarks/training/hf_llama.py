@@ -49,8 +49,10 @@ rows record which Linear layers stayed in high precision and why (`high_precisio
     python3 benchmarks/training/hf_llama.py --rows bf16-compiled,fp8plug-compiled --steps 50
     python3 benchmarks/training/hf_llama.py --preset toy --device cpu --rows bf16-eager,fp8plug-native-eager
     python3 benchmarks/training/hf_llama.py --rows bf16-compiled,fp8plug-compiled,bf16-eager,fp8plug-eager --liger
-    python3 benchmarks/training/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50   # Trainer(torch_compile=True)
-    python3 benchmarks/training/hf_llama.py --preset toy --device cpu --compile-backend aot_eager --rows bf16-trainer,fp8plug-trainer
+    # Trainer(torch_compile=True):
+    python3 benchmarks/training/hf_llama.py --rows bf16-trainer,fp8plug-trainer --steps 50
+    python3 benchmarks/training/hf_llama.py --preset toy --device cpu --compile-backend aot_eager \\
+        --rows bf16-trainer,fp8plug-trainer
     python3 benchmarks/training/hf_llama.py --table a.json b.json                  # merge runs into one table
 """
 
@@ -418,7 +420,8 @@ def parse_args(argv=None):
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print one table from earlier --json files (later files win per row) and run nothing")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="on a GPU, profile N more steps after the timed ones (kernel groups and top kernels in the JSON)")
+                   help="on a GPU, profile N more steps after the timed ones "
+                        "(kernel groups and top kernels in the JSON)")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="fine-tune a PEFT LoRA of rank R on every projection (base frozen) instead of the whole model")
     p.add_argument("--liger", type=int, nargs="?", const=1, default=0, metavar="0|1",

@@ -68,7 +68,8 @@ def build_model(spec: dict, device):
         import peft
 
         lora = peft.LoraConfig(r=spec["lora"], lora_alpha=2 * spec["lora"],
-                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"])
         model = peft.get_peft_model(model, lora)
     return model.train()
 

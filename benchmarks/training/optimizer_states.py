@@ -18,7 +18,8 @@ same synthetic batches, each run in its own process, and the table reports:
 Models: tiny (CPU default: 2 layers, d=64, vocab 256, B=8, T=32) and small (CUDA default:
 6 layers, d=768, ffn 3072, vocab 16384, B=16, T=256, about 80M parameters; bf16 autocast, fp32
 weights). On the CPU torchao's step runs eagerly by default (--compile to compile it: a compile per
-parameter shape, tens of seconds on a small CPU); on CUDA it is compiled, as torchao ships it. CPU runs use one thread by default (--threads).
+parameter shape, tens of seconds on a small CPU); on CUDA it is compiled, as torchao ships it. CPU
+runs use one thread by default (--threads).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def table(results, args) -> str:
         f"{args.steps} steps, device {args.device}, torchao step {'compiled' if args.compile else 'eager'}, "
         f"AdamW lr={args.lr}, weight_decay=0.01.",
         "",
-        f"| states | optimizer | state MiB | vs fp32 | {peak_label} | loss (last 10) | vs fp32 | ms/step | first step s |",
+        f"| states | optimizer | state MiB | vs fp32 | {peak_label} | loss (last 10) | vs fp32 | ms/step "
+        "| first step s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -136,7 +138,8 @@ def table(results, args) -> str:
         diff = f"{100 * (r['loss'] - base['loss']) / base['loss']:+.2f}%" if base and r is not base else "-"
         lines.append(
             f"| {r['kind']} | {r['optimizer'].rsplit('.', 1)[-1]} | {r['state_bytes'] / MiB:.2f} | {factor} | "
-            f"{r['peak_bytes'] / MiB:.1f} | {r['loss']:.4f} | {diff} | {r['ms_per_step']:.1f} | {r['first_step_s']:.1f} |"
+            f"{r['peak_bytes'] / MiB:.1f} | {r['loss']:.4f} | {diff} | {r['ms_per_step']:.1f} | "
+            f"{r['first_step_s']:.1f} |"
         )
     lines.append("")
     if not args.device.startswith("cuda"):
@@ -157,7 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compile torchao's step (default: on CUDA only)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads per run (default: 1 on CPU, where tiny ops run fastest; 0 = torch's default)")
+                        help="torch CPU threads per run "
+                             "(default: 1 on CPU, where tiny ops run fastest; 0 = torch's default)")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--_one", default=None, help=argparse.SUPPRESS)
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
         print(f"running {kind} ...", file=sys.stderr, flush=True)
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            lines = [l for l in done.stdout.splitlines() if l.startswith(RESULT_TAG)]
+            lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_TAG)]
             if done.returncode or not lines:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                 results.append(dict(kind=kind, error=f"exit {done.returncode}: {tail[0][:200]}"))

@@ -421,7 +421,8 @@ def markdown(meta: dict, rows: list) -> str:
         note = (r["error"] or "").replace("|", "/")
         lines.append(
             f"| {r['label']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['step_ms'], '.1f')} | {speedup} | "
-            f"{f(r['peak_mem_gb'], '.2f')} | {f(r['fp8_modules'], 'd')} | {overhead} | {f(r['loss'], '.3f')} | {r.get('compile', '-')} | {note} |"
+            f"{f(r['peak_mem_gb'], '.2f')} | {f(r['fp8_modules'], 'd')} | {overhead} | {f(r['loss'], '.3f')} | "
+            f"{r.get('compile', '-')} | {note} |"
         )
     lines += ["", "overhead vs raw = raw engine tokens/s / fp8plug tokens/s - 1 (positive: fp8plug slower)."]
     return "\n".join(lines) + "\n"
@@ -456,7 +457,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default="out/train_step", help="folder for train_step.json and train_step.md")
-    parser.add_argument("--no-subprocess", action="store_true", help="run every path in this process (debugging, tests)")
+    parser.add_argument("--no-subprocess", action="store_true",
+                        help="run every path in this process (debugging, tests)")
     parser.add_argument("--timeout", type=float, default=540, help="seconds allowed per run")
     parser.add_argument("--no-fallback", action="store_true",
                         help="a run that fails compiled is an error, instead of being retried uncompiled")

@@ -10,9 +10,10 @@ from typing import List, Tuple
 
 import torch
 
-from fp8plug.tuning.hardware import parse_device
 from fp8plug.bench.cases import CPU_SHAPES, LLAMA70B_SHAPES, MODES, SHAPE_PRESETS, Shape
 from fp8plug.bench.timing import TIMINGS
+from fp8plug.tuning.hardware import parse_device
+
 
 def parse_shapes(text: str) -> List[Shape]:
     """`MxKxN[,MxKxN...]` or a preset name (llama70b, tiny, sweep) -> [(M, K, N), ...].
@@ -85,10 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--modes", type=_argtype(parse_modes), default=None, metavar="eager,compiled",
         help="eager, compiled (torch.compile), or both. Default: both on a GPU, eager on the CPU.",
     )
-    parser.add_argument("--compile", action="store_true", help="also run compiled (same as adding 'compiled' to --modes)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run compiled (same as adding 'compiled' to --modes)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default: 5 GPU, 2 CPU)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed iterations; the median is reported (default: 20 GPU, 5 CPU)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed iterations; the median is reported (default: 20 GPU, 5 CPU)")
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="measure every case this many times, the cases taking turns, and report the median "
@@ -112,9 +115,11 @@ def check_output_path(path, option: str) -> None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ValueError(f"{option}: {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'bench.' + option.lstrip('-'))!r}.")
+        raise ValueError(f"{option}: {path!r} is a folder; give a file path, "
+                         f"e.g. {os.path.join(path, 'bench.' + option.lstrip('-'))!r}.")
     if not os.path.isdir(folder):
-        raise ValueError(f"{option}: the folder {folder!r} of {path!r} does not exist; create it first or write elsewhere.")
+        raise ValueError(
+            f"{option}: the folder {folder!r} of {path!r} does not exist; create it first or write elsewhere.")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"{option}: the folder {folder!r} of {path!r} is not writable; write elsewhere.")
 

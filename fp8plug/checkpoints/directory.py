@@ -247,7 +247,8 @@ def _files(path: str) -> List[str]:
         for name in names:
             full = os.path.join(root, name)
             relative = os.path.relpath(full, path).replace(os.sep, "/")
-            if os.path.islink(full) or (root == path and (name.startswith(MANIFEST_NAME) or name.startswith(OWN_PREFIX))):
+            if os.path.islink(full) or (
+                    root == path and (name.startswith(MANIFEST_NAME) or name.startswith(OWN_PREFIX))):
                 continue
             found.append(relative)
     return sorted(found)

@@ -30,14 +30,14 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from fp8plug.checkpoints import export_formats as formats
 from fp8plug._upstream import drop_original_forward, keep_in_fp32_patterns, matches_module_patterns
 from fp8plug.api import loaded_engines, unconvert_model
 from fp8plug.autocast import is_autowrapped, remove_fp8_autowrap
-from fp8plug.layers.rules import IGNORED, check_module_names, linear_alignment_problem, module_paths
-from fp8plug.checkpoints.export_dir import replacing
-from fp8plug.recipe import module_name_list
 from fp8plug.backends.steps import untrack
+from fp8plug.checkpoints import export_formats as formats
+from fp8plug.checkpoints.export_dir import replacing
+from fp8plug.layers.rules import IGNORED, check_module_names, linear_alignment_problem, module_paths
+from fp8plug.recipe import module_name_list
 
 logger = logging.getLogger("fp8plug")
 

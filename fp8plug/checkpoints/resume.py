@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 from accelerate.utils import DistributedType
 
+from fp8plug._upstream import prepared_models, prepared_optimizers, registered_objects
 from fp8plug.checkpoints import directory as checkpoint_dir
 from fp8plug.checkpoints.directory import FP8_STATE_NAME, read_fp8_state
-from fp8plug._upstream import prepared_models, prepared_optimizers, registered_objects
 from fp8plug.coverage import logger
 
 FP8_STATE_CHOICES = ("saved", "fresh")

@@ -28,8 +28,8 @@ from fp8plug.hf.attention import (
     switch_attention,
     transformers_models,
 )
-from fp8plug.recipe.plans import DelayedScalingPlan, Plan
 from fp8plug.recipe.kwargs import DEFAULTS, FP8_FORMATS
+from fp8plug.recipe.plans import DelayedScalingPlan, Plan
 
 logger = logging.getLogger("fp8plug")
 
@@ -264,12 +264,13 @@ def _fp8(module: nn.Module, query, key, value, scaling, settings: FP8AttentionSe
         runners[key_] = f"{type(exc).__name__}: {exc}"
         _log_once(logging.WARNING, ("refused", key_, str(exc)),
                   "fp8plug: fp8_dpa: TransformerEngine's FP8 attention failed for %s: %s: %s; that attention runs "
-                  "transformers' SDPA from now on.", _describe(module, query, key), type(exc).__name__, str(exc).strip().splitlines()[0]
-                  if str(exc).strip() else "")
+                  "transformers' SDPA from now on.", _describe(module, query, key), type(exc).__name__,
+                  str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         return None
     _log_once(logging.INFO, "runs",
               "fp8plug: fp8_dpa: FP8 attention runs: TransformerEngine DotProductAttention under "
-              "DelayedScaling(fp8_dpa=True) (cuDNN's FP8 fused attention), first for %s.", _describe(module, query, key))
+              "DelayedScaling(fp8_dpa=True) (cuDNN's FP8 fused attention), first for %s.",
+              _describe(module, query, key))
     return output
 
 

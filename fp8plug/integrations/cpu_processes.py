@@ -25,7 +25,8 @@ def join_cpu_processes(arguments: dict, handlers: list) -> None:
     cpu = bool(arguments.get("cpu")) or env_flag("ACCELERATE_USE_CPU")
     deepspeed = deepspeed_requested(arguments)
     if deepspeed and cpu:
-        where = "cpu=True" if arguments.get("cpu") else "ACCELERATE_USE_CPU=true (accelerate launch's --cpu / use_cpu: true)"
+        where = ("cpu=True" if arguments.get("cpu")
+                 else "ACCELERATE_USE_CPU=true (accelerate launch's --cpu / use_cpu: true)")
         raise ValueError(
             f"fp8plug.Accelerator: {where} with a DeepSpeed config would make accelerate ignore DeepSpeed "
             "and train without it; drop it (on a machine without GPUs fp8plug joins the DeepSpeed "

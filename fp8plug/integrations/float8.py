@@ -20,7 +20,7 @@ from torch import nn
 
 from fp8plug.api import convert_model, sync_fp8_scaling
 from fp8plug.backends import get_backend
-from fp8plug.layers.rules import ConversionError
+from fp8plug.backends.steps import end_step
 from fp8plug.integrations.float8_training import (
     DelayedScalingConfig,
     Float8CastConfig,
@@ -29,8 +29,8 @@ from fp8plug.integrations.float8_training import (
     is_torchao_float8_config,
     torchao_recipe,
 )
+from fp8plug.layers.rules import ConversionError
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
-from fp8plug.backends.steps import end_step
 
 __all__ = [
     "AOFloat8LinearConfig",
@@ -63,19 +63,23 @@ class AOFloat8LinearRecipe(str, enum.Enum):
 
 def _cast_config(value, where: str):
     """A torchao CastConfig from a CastConfig or a dict of its fields written as strings."""
-    from torchao.float8.config import CastConfig as AOCastConfig, ScalingGranularity, ScalingType as AOScalingType
+    from torchao.float8.config import CastConfig as AOCastConfig
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.config import ScalingType as AOScalingType
 
     if isinstance(value, AOCastConfig):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"AOFloat8LinearConfig.{where}: give a torchao CastConfig or a dict of its fields, not {value!r}.")
+        raise ValueError(
+            f"AOFloat8LinearConfig.{where}: give a torchao CastConfig or a dict of its fields, not {value!r}.")
     unknown = set(value) - {"scaling_type", "scaling_granularity", "target_dtype"}
     if unknown:
         raise ValueError(f"AOFloat8LinearConfig.{where}: unknown field(s) {sorted(unknown)}.")
     kwargs = {}
     try:
         if value.get("scaling_type") is not None:
-            kwargs["scaling_type"] = AOScalingType(str(getattr(value["scaling_type"], "value", value["scaling_type"])).lower())
+            kwargs["scaling_type"] = AOScalingType(
+                str(getattr(value["scaling_type"], "value", value["scaling_type"])).lower())
         if value.get("scaling_granularity") is not None:
             kwargs["scaling_granularity"] = ScalingGranularity(
                 str(getattr(value["scaling_granularity"], "value", value["scaling_granularity"])).lower()
@@ -86,7 +90,8 @@ def _cast_config(value, where: str):
         dtype = value["target_dtype"]
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"AOFloat8LinearConfig.{where}.target_dtype: {value['target_dtype']!r} is not a torch dtype.")
+            raise ValueError(
+                f"AOFloat8LinearConfig.{where}.target_dtype: {value['target_dtype']!r} is not a torch dtype.")
         kwargs["target_dtype"] = dtype
     return AOCastConfig(**kwargs)
 
@@ -197,9 +202,12 @@ class Float8Config:
                 self.ao_recipe = AOFloat8LinearRecipe(str(getattr(self.ao_recipe, "value", self.ao_recipe)).lower())
             except ValueError:
                 allowed = ", ".join(r.value for r in AOFloat8LinearRecipe)
-                raise ValueError(f"Float8Config.ao_recipe: {self.ao_recipe!r} is not a torchao recipe; use one of {allowed}.") from None
-        if self.ao is not None and not isinstance(self.ao, AOFloat8LinearConfig) and not is_torchao_float8_config(self.ao):
-            raise ValueError(f"Float8Config.ao: expected an AOFloat8LinearConfig (or a torchao Float8LinearConfig), got {type(self.ao).__name__}.")
+                raise ValueError(f"Float8Config.ao_recipe: {self.ao_recipe!r} is not a torchao recipe; "
+                                 f"use one of {allowed}.") from None
+        if (self.ao is not None and not isinstance(self.ao, AOFloat8LinearConfig)
+                and not is_torchao_float8_config(self.ao)):
+            raise ValueError(f"Float8Config.ao: expected an AOFloat8LinearConfig (or a torchao Float8LinearConfig), "
+                             f"got {type(self.ao).__name__}.")
         if self.ao_mx is not None and not isinstance(self.ao_mx, AOMXLinearConfig):
             raise ValueError(f"Float8Config.ao_mx: expected an AOMXLinearConfig, got {type(self.ao_mx).__name__}.")
         self.modules_to_ignore = _names(self.modules_to_ignore, "Float8Config.modules_to_ignore")
@@ -237,7 +245,8 @@ class Float8Config:
         BackendUnavailableError where torchao is not installed."""
         self.validate()
         get_backend("ao").require()
-        ignore = tuple(sorted(set(self.modules_to_ignore or ()) | set(_names(modules_to_ignore, "modules_to_ignore") or ())))
+        ignore = tuple(sorted(set(self.modules_to_ignore or ())
+                              | set(_names(modules_to_ignore, "modules_to_ignore") or ())))
         if self.ao_mx is not None:
             return torchao_recipe(self.ao_mx.to_ao_type(), modules_to_ignore=ignore)
         if self.ao_recipe is None:
@@ -311,7 +320,8 @@ def convert_to_float8_training(
         recipe = config.to_recipe(module_filter_fn)
     else:
         raise ValueError(
-            "convert_to_float8_training: config must be a fp8plug.integrations.float8.Float8TrainingConfig or a torchao "
+            "convert_to_float8_training: config must be a fp8plug.integrations.float8.Float8TrainingConfig "
+            "or a torchao "
             f"Float8LinearConfig, not {type(config).__name__}."
         )
     convert_model(module, recipe=recipe)
@@ -352,7 +362,8 @@ def __getattr__(name):
         new = _RENAMED[name]
         warnings.warn(
             f"fp8plug.integrations.float8.{name} is deprecated: it is fp8plug's class, not torchao.float8.{name}, and "
-            f"has been renamed fp8plug.integrations.float8.{new}; the old name will be removed.", DeprecationWarning, stacklevel=2,
+            f"has been renamed fp8plug.integrations.float8.{new}; the old name will be removed.",
+            DeprecationWarning, stacklevel=2,
         )
         return globals()[new]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

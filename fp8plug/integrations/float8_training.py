@@ -58,7 +58,8 @@ class DelayedScalingConfig:
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"DelayedScalingConfig.history_len: use an integer >= 1, not {self.history_len!r}.")
         if self.scale_fn_name not in ("max", "most_recent"):
-            raise ValueError(f"DelayedScalingConfig.scale_fn_name: use 'max' or 'most_recent', not {self.scale_fn_name!r}.")
+            raise ValueError(
+                f"DelayedScalingConfig.scale_fn_name: use 'max' or 'most_recent', not {self.scale_fn_name!r}.")
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,14 @@ class Float8TrainingConfig:
             if any(t is not Float8ScalingType.DYNAMIC for t in self.scaling_types):
                 raise ValueError(
                     f"Float8TrainingConfig: recipe_name={self.recipe_name!r} sets every cast itself; leave "
-                    "cast_config_input/weight/grad_output at their defaults, or give cast configs without a recipe_name."
+                    "cast_config_input/weight/grad_output at their defaults, "
+                    "or give cast configs without a recipe_name."
                 )
         for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"):
             if not isinstance(getattr(self, name), Float8CastConfig):
                 raise ValueError(
-                    f"Float8TrainingConfig.{name}: expected a fp8plug.integrations.float8.Float8CastConfig, got {getattr(self, name)!r}."
+                    f"Float8TrainingConfig.{name}: expected a fp8plug.integrations.float8.Float8CastConfig, "
+                    f"got {getattr(self, name)!r}."
                 )
         if self.delayed and Float8ScalingType.DISABLED in self.scaling_types:
             raise ValueError(
@@ -133,10 +136,13 @@ class Float8TrainingConfig:
 
     def to_torchao(self):
         """The equivalent torchao Float8LinearConfig (dynamic or disabled tensors only)."""
-        from torchao.float8 import CastConfig as AOCastConfig, Float8LinearConfig as AOConfig, ScalingType as AOType
+        from torchao.float8 import CastConfig as AOCastConfig
+        from torchao.float8 import Float8LinearConfig as AOConfig
+        from torchao.float8 import ScalingType as AOType
 
         if self.delayed:
-            raise ValueError("Float8TrainingConfig: torchao has no delayed scaling (removed in 0.10); the native engine serves it.")
+            raise ValueError("Float8TrainingConfig: torchao has no delayed scaling (removed in 0.10); "
+                             "the native engine serves it.")
         if self.recipe_name is not None:
             from fp8plug.backends.ao.config import build_float8_config, needs_emulation
 

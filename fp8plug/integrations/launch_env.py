@@ -3,7 +3,8 @@
 `accelerate launch` passes its choices to the processes it starts as environment variables
 (ACCELERATE_USE_CPU, ACCELERATE_USE_DEEPSPEED, ...). fp8plug must read them as accelerate does
 before accelerate.Accelerator.__init__ runs (to join CPU processes, to see DeepSpeed coming), and
-both fp8plug.integrations.cpu_processes and fp8plug.integrations.deepspeed_zero ask, so the reading lives here, below both.
+both fp8plug.integrations.cpu_processes and fp8plug.integrations.deepspeed_zero ask, so the reading
+lives here, below both.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from fp8plug._upstream import TrainerInternals, forget_prepared, is_prepared, trainer_builds_accelerator_with
-from fp8plug.integrations.accelerator import Accelerator
 from fp8plug.checkpoints.directory import FP8_STATE_NAME, read_fp8_state
+from fp8plug.integrations.accelerator import Accelerator
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 logger = logging.getLogger("fp8plug")

@@ -16,8 +16,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from torch import nn
 
 from fp8plug.layers.ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
-from fp8plug.layers.gemm_counts import count_gemms, has_gemm_counter
 from fp8plug.layers.fused_heads import LIGER_KIND, TRL_KIND, fused_heads
+from fp8plug.layers.gemm_counts import count_gemms, has_gemm_counter
 
 ALIGNMENT = 16
 

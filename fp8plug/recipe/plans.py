@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, FrozenSet, Iterator, Mapping, Optional, Tuple
 
-from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.recipe.kwargs import APPLIES_TO, DEFAULTS, FP8RecipeKwargs, field_names
 from fp8plug.recipe.scalings import DelayedScaling
+from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.tuning.roofline import auto_filter as speed_filter
 
 # `engine` below is a fp8plug.backends.base.Engine; not imported, not even for typing: base.py
@@ -147,7 +147,8 @@ def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=N
     if auto_filter:
         module_filter_fn = speed_filter(recipe, engine.name, info) or module_filter_fn
     return dataclasses.replace(  # an engine that named its scaling itself (a whole ao_config) keeps that name
-        plan, scaling=plan.scaling or scaling, modules_to_ignore=recipe.modules_to_ignore, module_filter_fn=module_filter_fn,
+        plan, scaling=plan.scaling or scaling, modules_to_ignore=recipe.modules_to_ignore,
+        module_filter_fn=module_filter_fn,
         use_autocast_during_eval=recipe.use_autocast_during_eval, optimizer_states=recipe.optimizer_states,
         skip_causal_mask=recipe.skip_causal_mask, fp8_dpa=recipe.fp8_dpa,
     )

@@ -70,7 +70,8 @@ def chosen(monkeypatch):
     names = []
     monkeypatch.setattr(api, "make_plan", lambda engine, recipe, device, auto_filter=False: None)
     monkeypatch.setattr(api, "convert_with_plan",
-                        lambda model, engine, plan, linear, norm: names.append(engine.name) or ConversionReport(engine.name))
+                        lambda model, engine, plan, linear, norm:
+                        names.append(engine.name) or ConversionReport(engine.name))
     api._TE_PASSED_OVER.clear()
     yield names
     api._TE_PASSED_OVER.clear()
@@ -88,7 +89,8 @@ def test_accelerates_call_converts_to_te_where_te_runs(chosen):
     assert chosen == ["te", "te"]
 
 
-@pytest.mark.parametrize("how", [{"backend": "auto"}, {"recipe": FP8RecipeKwargs()}, {"compiled": None, "backend": "AUTO"}])
+@pytest.mark.parametrize("how", [{"backend": "auto"}, {"recipe": FP8RecipeKwargs()},
+                                 {"compiled": None, "backend": "AUTO"}])
 def test_the_speed_ranked_choice_is_one_argument_away(chosen, how):
     fp8plug.convert_model(_model(), **how)
     assert chosen == [backends.select_backend(None, H100).name] and chosen != ["te"]
@@ -197,7 +199,7 @@ def _stop(model, engine, plan, linear=True, norm=True):
 
 api.make_plan = lambda engine, recipe, device, auto_filter=False: None
 api.convert_with_plan = _stop
-'''
+'''  # noqa: E501 (a script's text, kept as it runs)
 
 
 def test_the_swapped_script_converts_to_te_on_an_fp8_gpu(tmp_path):

@@ -11,10 +11,10 @@ from torch import nn
 
 import fp8plug
 from fp8plug import BackendUnavailableError, ConversionError, FP8RecipeKwargs
-from fp8plug.integrations.accelerator import _rebind_optimizers
 from fp8plug.backends.native.engine import NativeEngine, NativeFP8Linear
-from fp8plug.checkpoints.state import install_plain_state_dict
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches
+from fp8plug.checkpoints.state import install_plain_state_dict
+from fp8plug.integrations.accelerator import _rebind_optimizers
 from tests.support.hf import fresh
 from tests.support.training import train
 

@@ -19,8 +19,8 @@ from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa:
 
 import fp8plug  # noqa: E402
 from fp8plug import ConversionError, FP8RecipeKwargs  # noqa: E402
-from fp8plug.backends.ao import config as torchao_config  # noqa: E402
 from fp8plug.backends import get_backend, select_backend  # noqa: E402
+from fp8plug.backends.ao import config as torchao_config  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -150,7 +150,8 @@ def test_recipes_and_formats_reach_torchao_config():
     assert hybrid.cast_config_grad_output.target_dtype == E5M2
     assert hybrid.cast_config_input.target_dtype == hybrid.cast_config_weight.target_dtype == E4M3
     e4m3 = single(scaling="tensorwise", fp8_format="E4M3").config
-    assert e4m3.cast_config_grad_output.target_dtype == e4m3.cast_config_grad_output_for_grad_weight.target_dtype == E4M3
+    assert (e4m3.cast_config_grad_output.target_dtype == e4m3.cast_config_grad_output_for_grad_weight.target_dtype
+            == E4M3)
     rowwise = single(scaling="rowwise").config  # E4M3 throughout by design; the default HYBRID leaves it
     assert rowwise.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
     assert rowwise.cast_config_grad_output.target_dtype == E4M3 and rowwise.round_scales_to_power_of_2
@@ -160,7 +161,8 @@ def test_recipes_and_formats_reach_torchao_config():
     assert gw_hp.cast_config_input_for_grad_weight.scaling_type is ScalingType.DISABLED
 
 
-@pytest.mark.parametrize("override,gemm", [((True, False, False), 0), ((False, True, False), 1), ((False, False, True), 2)])
+@pytest.mark.parametrize("override,gemm",
+                         [((True, False, False), 0), ((False, True, False), 1), ((False, False, True), 2)])
 def test_override_linear_precision_runs_that_gemm_unscaled(override, gemm):
     layer = single(override_linear_precision=override)
     names = torchao_config._gemm_operands()[("fprop", "dgrad", "wgrad")[gemm]]
@@ -199,13 +201,15 @@ def test_a_whole_torchao_config(engine):
     assert model[0].config.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
     assert model[0].config.cast_config_grad_output.target_dtype == E4M3  # env/default HYBRID not applied
     model = two_layers()
-    engine.convert(model, FP8RecipeKwargs(ao_config=Float8LinearConfig(), override_linear_precision=(False, False, True)))
+    engine.convert(model, FP8RecipeKwargs(ao_config=Float8LinearConfig(),
+                                          override_linear_precision=(False, False, True)))
     assert model[0].config.cast_config_input_for_grad_weight.scaling_type is ScalingType.DISABLED
     with pytest.raises(ValueError, match="not both"):
         engine.convert(two_layers(), FP8RecipeKwargs(ao_config=config, scaling="rowwise"))
     gathered = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather.*not cast to float8"):
-        engine.convert(two_layers(), FP8RecipeKwargs(ao_config=gathered, override_linear_precision=(True, False, False)))
+        engine.convert(two_layers(),
+                       FP8RecipeKwargs(ao_config=gathered, override_linear_precision=(True, False, False)))
     with pytest.raises(ValueError, match="only on backend='ao'"):
         FP8RecipeKwargs(backend="te", ao_config=config)
     with pytest.raises(ValueError, match="expected a torchao.float8.Float8LinearConfig"):
@@ -426,6 +430,7 @@ def count_casts(monkeypatch):
     """Patch hp_tensor_to_float8_dynamic where torchao's Function and fp8plug's frozen-weight one
     look it up; returns the list of the roles cast, one entry per cast."""
     import torchao.float8.float8_linear as torchao_linear
+
     from fp8plug.backends.ao import frozen as _ao_frozen
 
     casts, real = [], _ao_frozen.hp_tensor_to_float8_dynamic
@@ -445,8 +450,8 @@ def test_frozen_base_layers_do_no_weight_gradient_work(monkeypatch):
     weight; layer 0's q/k/v (inputs that need no gradient) have no backward at all. The same model
     with every weight trainable runs torchao's three GEMMs and six casts per layer."""
     pytest.importorskip("peft")
-    from tests.support.hf import tiny_llama
     from tests.cpu.test_lora import lora_llama, step, tokens
+    from tests.support.hf import tiny_llama
 
     ao = recipe(auto_filter=False)
     casts = count_casts(monkeypatch)

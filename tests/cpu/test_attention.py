@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
-from fp8plug.hf.attention import FP8PLUG_SDPA, causal_or_sdpa_mask, skip_causal_mask  # noqa: E402
 from fp8plug.checkpoints.export import export_model  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_SDPA, causal_or_sdpa_mask, skip_causal_mask  # noqa: E402
 from tests.support.hf import VOCAB, tiny_llama  # noqa: E402
 
 SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",

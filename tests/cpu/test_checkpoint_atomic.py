@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from fp8plug.checkpoints.directory import IncompleteCheckpointError

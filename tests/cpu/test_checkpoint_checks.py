@@ -16,9 +16,9 @@ from fp8plug.checkpoints.directory import (
     read_fp8_state,
     write_manifest,
 )
+from tests.cpu.test_checkpoint_atomic import equal
 from tests.support.hf import fresh
 from tests.support.kill_save_worker import snapshot, train
-from tests.cpu.test_checkpoint_atomic import equal
 
 SAVED = dict(backend="native", amax_history_len=4)
 
@@ -133,7 +133,8 @@ def test_fp8_state_of_other_layers_is_refused_without_changing_anything(checkpoi
 def test_weights_that_do_not_fit_are_refused_before_any_is_loaded(checkpoint, tmp_path):
     # the FP8 state fits (same layers and history), the weight shapes do not: torch would copy the
     # tensors that fit before raising
-    refused_unchanged(checkpoint, r"do not fit model 0: 0.bias \(64,\) \(here \(48,\)\), 0.weight \(64, 32\)", hidden=48)
+    refused_unchanged(checkpoint, r"do not fit model 0: 0.bias \(64,\) \(here \(48,\)\), 0.weight \(64, 32\)",
+                      hidden=48)
 
 
 def test_an_optimizer_that_does_not_fit_is_refused_before_the_weights_are_loaded(checkpoint):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fp8plug.checkpoints.directory import MANIFEST_NAME
+from tests.cpu.test_checkpoint_atomic import equal
 from tests.support.hf import fresh
 from tests.support.kill_save_worker import build, snapshot, train
 from tests.support.processes import ROOT, child_env
-from tests.cpu.test_checkpoint_atomic import equal
 
 USER_FILES = {"notes.txt": "my notes\n", "logs/run.log": "step 1\n"}
 
@@ -139,7 +139,8 @@ def test_a_file_of_the_users_that_the_save_would_replace_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     put(ckpt, {"model.safetensors": "mine", **USER_FILES})
     accelerator, _ = trained()
-    with pytest.raises(FileExistsError, match=re.escape(f"{ckpt / 'model.safetensors'} is already there and no fp8plug manifest")):
+    with pytest.raises(FileExistsError,
+                       match=re.escape(f"{ckpt / 'model.safetensors'} is already there and no fp8plug manifest")):
         accelerator.save_state(ckpt)
     assert has(ckpt, {"model.safetensors": "mine", **USER_FILES}) and no_leftovers(ckpt)
     assert sorted(os.listdir(ckpt)) == ["logs", "model.safetensors", "notes.txt"]
@@ -171,7 +172,8 @@ def test_total_limit_keeps_the_newest_checkpoints_as_accelerate_does(tmp_path, t
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     expected = sorted(["README.txt"] + [f"checkpoint_{n}" for n in kept] + (["checkpoint_0"] if 0 not in kept else []))
     assert names == expected
-    assert sorted(os.listdir(tmp_path / "checkpoints" / "checkpoint_0")) == ["notes.txt"]  # only the user's file is left
+    # only the user's file is left
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "checkpoint_0")) == ["notes.txt"]
     assert equal(resumed(project_dir=tmp_path, total_limit=total_limit), state(accelerator, objects))
 
 

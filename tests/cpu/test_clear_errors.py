@@ -46,7 +46,8 @@ def test_unusable_linear_is_refused_before_anything_is_converted(backend, spoil,
         pytest.importorskip("torchao")
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     spoil(model)
-    with pytest.raises(ConversionError, match=rf"^cannot convert '1' to FP8: .*{words}.*modules_to_ignore=\['1'\]") as error:
+    with pytest.raises(ConversionError,
+                       match=rf"^cannot convert '1' to FP8: .*{words}.*modules_to_ignore=\['1'\]") as error:
         convert_model(model, recipe=FP8RecipeKwargs(backend=backend))
     assert one_line(str(error.value))
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]  # not half converted

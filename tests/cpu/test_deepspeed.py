@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from tests.support.processes import child_env
 
 pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed")
@@ -46,7 +47,8 @@ def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exact
         assert bf16["run"] == "bf16" and fp8["run"] == "native"
         for run in (bf16, fp8):
             assert run["zero_stage"] == stage and run["world_size"] == 2
-            assert run["optimizer_class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+            assert run["optimizer_class"] == (
+                "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
         assert fp8["mixed_precision"] == "fp8" and fp8["converted"] == 15  # 7 per layer and lm_head
         assert fp8["fp8_gemms"] == STEPS * 15  # forward GEMMs, every step, all in FP8
         # delayed scaling ended every step exactly once (not per ZeRO param group, not never)
@@ -96,7 +98,8 @@ def test_cpu_true_beside_a_deepspeed_config_is_refused_not_ignored(monkeypatch, 
     if where == "launch":  # the variable `accelerate launch --cpu` exports
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-        kwargs, message = {}, r"ACCELERATE_USE_CPU=true \(accelerate launch's --cpu / use_cpu: true\) with a DeepSpeed config"
+        kwargs, message = {}, (r"ACCELERATE_USE_CPU=true \(accelerate launch's --cpu / use_cpu: true\) "
+                               r"with a DeepSpeed config")
     else:
         kwargs, message = {"cpu": True, "deepspeed_plugin": _plugin()}, r"cpu=True with a DeepSpeed config"
     with pytest.raises(ValueError, match=message + r" would make accelerate ignore DeepSpeed"):
@@ -109,7 +112,8 @@ def test_deepspeed_process_state_that_counts_one_of_several_processes_is_refused
     import fp8plug
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"DeepSpeed was launched on 2 processes but accelerate's process state counts 1"):
+    with pytest.raises(ValueError,
+                       match=r"DeepSpeed was launched on 2 processes but accelerate's process state counts 1"):
         fp8plug.Accelerator(mixed_precision="fp8", deepspeed_plugin=_plugin())
 
 
@@ -153,7 +157,8 @@ def test_the_cpu_deepspeed_example_runs_under_deepspeed_as_documented(tmp_path):
     weights identical on both."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "examples" / "configs" / "cpu_deepspeed_fp8.yaml"), str(ROOT / "examples" / "train_accelerate.py"),
+           str(ROOT / "examples" / "configs" / "cpu_deepspeed_fp8.yaml"),
+           str(ROOT / "examples" / "train_accelerate.py"),
            "--steps", "4", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=300)

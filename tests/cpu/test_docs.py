@@ -116,7 +116,8 @@ def test_troubleshooting_names_every_public_error_class():
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
     defined = set()
     for source in (ROOT / "fp8plug").rglob("*.py"):
-        defined.update(re.findall(r"^class (\w+)\((?:\w+Error|\w*Exception|RuntimeError|ValueError)\)", source.read_text(), re.M))
+        defined.update(re.findall(r"^class (\w+)\((?:\w+Error|\w*Exception|RuntimeError|ValueError)\)",
+                                  source.read_text(), re.M))
     defined.discard("BenchSkip")
     assert defined >= {"BackendUnavailableError", "ConversionError"}
     assert all(name in text for name in defined), sorted(n for n in defined if n not in text)
@@ -141,9 +142,9 @@ def _undocumented(obj, where):
 
 
 def test_public_names_have_docstrings():
-    """Every name in fp8plug.__all__, and every public name fp8plug.integrations.float8 (with the config classes
-    of fp8plug.integrations.float8_training) and fp8plug.integrations.accelerator define, says what it is for (classes: their
-    public methods and properties too)."""
+    """Every name in fp8plug.__all__, and every public name fp8plug.integrations.float8 (with the
+    config classes of fp8plug.integrations.float8_training) and fp8plug.integrations.accelerator
+    define, says what it is for (classes: their public methods and properties too)."""
     import fp8plug
     import fp8plug.integrations.accelerator
     import fp8plug.integrations.float8

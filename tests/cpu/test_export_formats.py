@@ -255,6 +255,7 @@ def test_a_converted_model_writes_what_its_export_writes(tmp_path):
     converted, config_c = tensors_and_config(tmp_path / "converted")
     exported, config_e = tensors_and_config(tmp_path / "exported")
     assert config_c == config_e and set(converted) == set(exported)
-    assert all(torch.equal(converted[k].view(torch.uint8) if converted[k].dtype == torch.float8_e4m3fn else converted[k],
+    assert all(torch.equal(converted[k].view(torch.uint8) if converted[k].dtype == torch.float8_e4m3fn
+                           else converted[k],
                            exported[k].view(torch.uint8) if exported[k].dtype == torch.float8_e4m3fn else exported[k])
                for k in converted)

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug.layers.rules import ConversionError
 from fp8plug.checkpoints.export import export_model, save_fp8_checkpoint
+from fp8plug.layers.rules import ConversionError
 from tests.support.hf import VOCAB, fresh, tiny_llama
 from tests.support.processes import ROOT, child_env
 

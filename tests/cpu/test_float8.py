@@ -124,7 +124,8 @@ def test_recipe_and_field_configs_reach_torchao():
     Float8Config(ao_recipe="rowwise").apply_float8_linear(model)
     assert model.w1.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
     model = Model()
-    ao = AOFloat8LinearConfig(cast_config_grad_output={"target_dtype": "float8_e4m3fn"}, round_scales_to_power_of_2=True)
+    ao = AOFloat8LinearConfig(cast_config_grad_output={"target_dtype": "float8_e4m3fn"},
+                              round_scales_to_power_of_2=True)
     Float8Config(ao=ao).apply_float8_linear(model)
     assert model.w1.config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
     assert model.w1.config.round_scales_to_power_of_2
@@ -251,7 +252,8 @@ def test_seed_config_errors():
         Float8TrainingConfig(cast_config_input=Float8CastConfig(Float8ScalingType.DELAYED),
                              cast_config_weight=Float8CastConfig(Float8ScalingType.DISABLED))
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
-        Float8TrainingConfig(cast_config_weight=Float8CastConfig(Float8ScalingType.DELAYED), enable_fsdp_float8_all_gather=True)
+        Float8TrainingConfig(cast_config_weight=Float8CastConfig(Float8ScalingType.DELAYED),
+                             enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="both be DISABLED"):
         disabled = Float8TrainingConfig(cast_config_input=Float8CastConfig(Float8ScalingType.DISABLED))
         convert_to_float8_training(Model(), config=disabled)

@@ -8,7 +8,6 @@ pin what the recipe says for each config. Also: no fp8plug class answers to torc
 more, except as a deprecated alias.
 """
 
-import copy
 import logging
 import warnings
 
@@ -22,8 +21,8 @@ import torchao.float8  # noqa: E402
 
 import fp8plug  # noqa: E402
 import fp8plug.api  # noqa: E402
-import fp8plug.recipe.plans
 import fp8plug.integrations.float8 as float8
+import fp8plug.recipe.plans
 from fp8plug import FP8RecipeKwargs  # noqa: E402
 from fp8plug.backends import get_backend  # noqa: E402
 from fp8plug.backends.base import Engine  # noqa: E402
@@ -65,8 +64,10 @@ ENTRY_POINTS = [
      .apply_float8_linear(m), "ao", "tensorwise"),
     ("seed dynamic", lambda m: convert_to_float8_training(m), "ao", "tensorwise"),
     ("seed torchao config", lambda m: convert_to_float8_training(
-        m, config=torchao.float8.Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")), "ao", "rowwise_with_gw_hp"),
-    ("seed delayed", lambda m: convert_to_float8_training(m, config=DELAYED), "native", ("dynamic", "delayed", "delayed")),
+        m, config=torchao.float8.Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")),
+     "ao", "rowwise_with_gw_hp"),
+    ("seed delayed", lambda m: convert_to_float8_training(m, config=DELAYED),
+     "native", ("dynamic", "delayed", "delayed")),
 ]
 IDS = [entry[0] for entry in ENTRY_POINTS]
 
@@ -175,7 +176,8 @@ def test_mxfp8_goes_through_the_recipe_too():
 def test_a_scaling_per_tensor_is_a_recipe_value_native_alone_takes():
     assert FP8RecipeKwargs(scaling=["Dynamic", "delayed", "DELAYED"]).scaling == ("dynamic", "delayed", "delayed")
     assert FP8RecipeKwargs(scaling=("dynamic",) * 3).scaling == "dynamic"
-    with pytest.raises(ValueError, match=r"FP8RecipeKwargs.scaling: give a name, or three as \(input, weight, grad_output\)"):
+    with pytest.raises(ValueError,
+                       match=r"FP8RecipeKwargs.scaling: give a name, or three as \(input, weight, grad_output\)"):
         FP8RecipeKwargs(scaling=("dynamic", "delayed"))
     model = Model()
     fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", scaling=("delayed", "dynamic", "delayed")))
@@ -183,7 +185,8 @@ def test_a_scaling_per_tensor_is_a_recipe_value_native_alone_takes():
     with pytest.raises(ValueError, match="is not a torchao float8 recipe"):
         fp8plug.convert_model(Model(), recipe=FP8RecipeKwargs(backend="ao", scaling=("delayed", "dynamic", "delayed")))
     with pytest.raises(ValueError, match="is not a fp8plug native"):
-        fp8plug.convert_model(Model(), recipe=FP8RecipeKwargs(backend="native", scaling=("delayed", "rowwise", "delayed")))
+        fp8plug.convert_model(Model(),
+                              recipe=FP8RecipeKwargs(backend="native", scaling=("delayed", "rowwise", "delayed")))
 
 
 def test_no_engine_takes_a_config_of_its_own_beside_the_recipe():
@@ -199,7 +202,8 @@ def test_no_fp8plug_class_answers_to_a_torchao_name():
     assert shared == {"convert_to_float8_training", "precompute_float8_dynamic_scale_for_fsdp"}
     for old, new in (("ScalingType", Float8ScalingType), ("CastConfig", Float8CastConfig),
                      ("Float8LinearConfig", Float8TrainingConfig)):
-        with pytest.warns(DeprecationWarning, match=f"fp8plug.integrations.float8.{old} is deprecated.*fp8plug.integrations.float8.{new.__name__}"):
+        with pytest.warns(DeprecationWarning, match=f"fp8plug.integrations.float8.{old} is deprecated"
+                                                    f".*fp8plug.integrations.float8.{new.__name__}"):
             assert getattr(float8, old) is new
         assert getattr(torchao.float8, old) is not new
     with warnings.catch_warnings():

@@ -20,14 +20,16 @@ pytest.importorskip("transformers")
 
 import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs
-from fp8plug.hf import attention
-from fp8plug.hf import fp8_attention  # noqa: E402
-from fp8plug.hf.attention import FP8PLUG_FP8_DPA, FP8PLUG_SDPA  # noqa: E402
 from fp8plug.backends import get_backend
 from fp8plug.backends.te import attention as _te_attention  # noqa: E402
 from fp8plug.checkpoints.export import export_model  # noqa: E402
-from fp8plug.tuning.hardware import DeviceInfo  # noqa: E402
+from fp8plug.hf import (
+    attention,
+    fp8_attention,  # noqa: E402
+)
+from fp8plug.hf.attention import FP8PLUG_FP8_DPA, FP8PLUG_SDPA  # noqa: E402
 from fp8plug.recipe.plans import Plan, make_plan  # noqa: E402
+from fp8plug.tuning.hardware import DeviceInfo  # noqa: E402
 from tests.cpu.test_attention import compiled_attention_masks, ids, llama  # noqa: E402
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))

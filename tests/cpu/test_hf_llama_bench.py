@@ -71,7 +71,8 @@ def test_rows_report_speed_time_and_a_loss_close_to_bf16(toy_run, row, engine, f
         # accelerate 1.15: AORecipeKwargs() turns on FSDP2 float8 all-gather, whose new weight
         # Parameters the optimizer made before prepare() does not hold: 13 Linears never update.
         toy = hf_llama.PRESETS["toy"]
-        linears = 2 * (2 * toy["hidden"] ** 2 + 2 * toy["hidden"] * toy["hidden"] // 2 + 3 * toy["hidden"] * toy["intermediate"])
+        linears = 2 * (2 * toy["hidden"] ** 2 + 2 * toy["hidden"] * toy["hidden"] // 2
+                       + 3 * toy["hidden"] * toy["intermediate"])
         assert r["params_not_stepped"] == linears - toy["hidden"] ** 2  # all but layer 0's q_proj
     else:
         assert r["params_not_stepped"] == 0
@@ -134,10 +135,9 @@ def test_accelerate_trainer_rows_reach_accelerates_fp8_through_the_launch_enviro
     """TrainingArguments cannot carry Accelerate's recipe handler: an accelerate-*-trainer row sets
     what `accelerate launch --mixed_precision fp8 --fp8_backend ...` exports, which Trainer's
     arguments and Accelerate's recipe then read."""
+    import hf_llama_trainer
     import transformers
     from accelerate.utils import is_torchao_available
-
-    import hf_llama_trainer
 
     env = hf_llama_trainer.accelerate_fp8_environment("ao", dict(enable_fsdp_float8_all_gather=False))
     assert env == dict(ACCELERATE_MIXED_PRECISION="fp8", ACCELERATE_FP8_BACKEND="AO",

@@ -16,10 +16,10 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 import fp8plug
+from fp8plug import FP8RecipeKwargs, apply_fp8_autowrap, remove_fp8_autowrap
 from tests.support.hf import VOCAB, fresh, tiny_llama
 from tests.support.training import hf_loss
 from tests.support.training import train as shared_train
-from fp8plug import FP8RecipeKwargs, apply_fp8_autowrap, remove_fp8_autowrap
 
 
 def accelerator(backend):
@@ -70,7 +70,8 @@ def test_any_parameter_kinds_survive():
     signature = inspect.signature(model.forward)
     apply_fp8_autowrap(model, FP8RecipeKwargs(backend="native"))
     assert inspect.signature(model.forward) == signature
-    assert [p.kind for p in inspect.signature(model.forward).parameters.values()][0] == inspect.Parameter.POSITIONAL_ONLY
+    assert ([p.kind for p in inspect.signature(model.forward).parameters.values()][0]
+            == inspect.Parameter.POSITIONAL_ONLY)
 
 
 # --- save_state / load_state with tied and shared weights ---------------------------------------------

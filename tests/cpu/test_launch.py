@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -70,7 +70,8 @@ def launch(tmp_path, config, order):
     script.write_text(SCRIPT)
     env = child_env(tmp_path, OMP_NUM_THREADS="1")
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), order, str(out)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), order,
+           str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
     return proc.returncode, results, proc.stdout + proc.stderr

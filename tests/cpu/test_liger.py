@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug.layers.rules import ADAPTER, LIGER
 from fp8plug.layers.fused_heads import liger_forward, liger_fused_heads
+from fp8plug.layers.rules import ADAPTER, LIGER
 from tests.support.hf import tiny_llama
 
 RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
@@ -159,7 +159,8 @@ def test_real_liger_patch_leaves_lm_head_and_converts_the_swiglu_linears(liger, 
     names = linears(model)
     report = convert(model)
     assert_head_reported(report, names)
-    mlp_linears = [f"model.layers.{i}.mlp.{p}" for i in range(SPEC["layers"]) for p in ("gate_proj", "up_proj", "down_proj")]
+    mlp_linears = [f"model.layers.{i}.mlp.{p}" for i in range(SPEC["layers"])
+                   for p in ("gate_proj", "up_proj", "down_proj")]
     assert set(mlp_linears) <= set(report.fp8_linears)
     assert model.model.layers[0].mlp is mlp and type(mlp.gate_proj) is not nn.Linear  # Liger's MLP, FP8 Linears
 
@@ -170,7 +171,7 @@ def test_real_liger_forwards_read_lm_head_weight_and_call_the_mlp_linears(liger,
     import liger_kernel.transformers.functional as liger_functional
     import liger_kernel.transformers.swiglu as liger_swiglu
 
-    from tests.support.liger import batches, small_llama, train_with_liger
+    from tests.support.liger import batches, train_with_liger
 
     def silu_mul(a, b, *args):
         return nn.functional.silu(a) * b

@@ -20,8 +20,8 @@ peft = pytest.importorskip("peft")
 
 import fp8plug  # noqa: E402
 from fp8plug.backends.native import engine as native  # noqa: E402
-from fp8plug.layers.rules import ADAPTER  # noqa: E402
 from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint  # noqa: E402
+from fp8plug.layers.rules import ADAPTER  # noqa: E402
 from tests.support.hf import VOCAB, fresh, tiny_llama  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402
 

@@ -32,7 +32,6 @@ unbroken one. docs/distributed.md ("Several nodes") says the same.
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -130,7 +129,8 @@ def launch_nodes(tmp_path: Path, name: str, worker_args) -> dict:
                           f"{texts[node][-4000:]}")
         pytest.fail("\n".join(report), pytrace=False)
     results = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
-    assert sorted(results) == list(range(WORLD)), f"{name}: result files of ranks {sorted(results)}\n" + texts[0][-3000:]
+    assert sorted(results) == list(range(WORLD)), (f"{name}: result files of ranks {sorted(results)}\n"
+                                                   + texts[0][-3000:])
     return results
 
 

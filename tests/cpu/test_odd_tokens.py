@@ -71,7 +71,8 @@ def test_bf16_autocast_with_an_odd_token_count():
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and out.shape == (8, 31, 32)
     assert 18 <= sqnr_db(out, reference(x.double())) <= 45
-    assert fp8plug.fp8_coverage(model) == {"fp8_gemms": 2, "high_precision_gemms": 0, "layers": {"0": (1, 0), "2": (1, 0)}}
+    assert fp8plug.fp8_coverage(model) == {"fp8_gemms": 2, "high_precision_gemms": 0,
+                                           "layers": {"0": (1, 0), "2": (1, 0)}}
 
 
 def test_pad_tokens_pads_only_what_it_must():

@@ -151,7 +151,8 @@ def test_delayed_scaling_settings_are_documented_as_declared():
         assert all(name in row for name in setting.metadata["env"] if name), (setting.name, row)
         check = setting.metadata["check"]
         if isinstance(check, Integer):
-            assert any(r.startswith(f"| `{setting.name}` | {check.low:,} to {check.high:,} |") for r in rows), setting.name
+            assert any(r.startswith(f"| `{setting.name}` | {check.low:,} to {check.high:,} |") for r in rows), \
+                setting.name
 
 
 def test_accelerates_field_names_are_taken_once():
@@ -168,4 +169,5 @@ def test_accelerates_field_names_are_taken_once():
     with pytest.raises(TypeError, match="'margn'"):
         FP8RecipeKwargs(margn=1)
     assert dataclasses.replace(r, margin=1) == FP8RecipeKwargs(
-        module_filter_fn=filter_fn, amax_history_len=16, amax_compute_algo="max", opt_level="O1", scaling="mxfp8", margin=1)
+        module_filter_fn=filter_fn, amax_history_len=16, amax_compute_algo="max", opt_level="O1", scaling="mxfp8",
+        margin=1)

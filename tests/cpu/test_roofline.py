@@ -12,13 +12,13 @@ from fp8plug import FP8RecipeKwargs, get_backend
 from fp8plug.bench import SWEEP_SHAPES, write_json
 from fp8plug.tuning.roofline import (
     SM90,
-    auto_filter,
-    with_auto_filter,
     Costs,
+    auto_filter,
     explain,
     make_module_filter,
     predict_ms,
     predicted_speedup,
+    with_auto_filter,
 )
 from fp8plug.tuning.roofline_fit import calibrate, load_bench, load_constants, save_constants
 
@@ -217,7 +217,8 @@ CPU = DeviceInfo("cpu", "x86_64")
 
 
 def _small_and_big():
-    return nn.Sequential(nn.Linear(4096, 4096, bias=False, device="meta"), nn.Linear(256, 256, bias=False, device="meta"))
+    return nn.Sequential(nn.Linear(4096, 4096, bias=False, device="meta"),
+                         nn.Linear(256, 256, bias=False, device="meta"))
 
 
 @pytest.mark.parametrize("backend", ["native", "ao", "te"])
@@ -244,7 +245,8 @@ def test_auto_filter_converts_every_linear_of_the_probe_and_1b_models():
 def test_auto_filter_only_where_measured():
     assert auto_filter(FP8RecipeKwargs(backend="te", scaling="block"), "te", H100) is None
     assert auto_filter(FP8RecipeKwargs(backend="msamp"), "msamp", H100) is None
-    with pytest.raises(ValueError, match="FP8RecipeKwargs.auto_filter: no calibrated cost model for engine 'te' scaling 'block'"):
+    with pytest.raises(ValueError,
+                       match="FP8RecipeKwargs.auto_filter: no calibrated cost model for engine 'te' scaling 'block'"):
         auto_filter(FP8RecipeKwargs(backend="te", scaling="block", auto_filter=True), "te", H100)
     with pytest.raises(ValueError, match="auto_filter.*CPU"):
         auto_filter(FP8RecipeKwargs(backend="native", auto_filter=True), "native", CPU)
@@ -258,7 +260,8 @@ def test_auto_filter_reads_the_environment_and_tokens(monkeypatch):
     recipe = FP8RecipeKwargs(backend="native")
     assert recipe.auto_filter is None and recipe.auto_filter_tokens == 2048
     # fewer tokens: the casts weigh more, and a mid-sized layer drops out
-    assert auto_filter(FP8RecipeKwargs(backend="native", auto_filter_tokens=65536), "native", H100)(_linear(2048, 2048), "x")
+    assert auto_filter(FP8RecipeKwargs(backend="native", auto_filter_tokens=65536), "native", H100)(
+        _linear(2048, 2048), "x")
     assert not auto_filter(recipe, "native", H100)(_linear(2048, 2048), "x")
     with pytest.raises(ValueError, match="FP8RecipeKwargs.auto_filter_tokens"):
         FP8RecipeKwargs(auto_filter_tokens=0)

@@ -129,7 +129,9 @@ def test_numeric_fields_are_bounded(field, value):
 
 def test_bounds_apply_to_the_environment_and_name_the_variable(monkeypatch):
     monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "16")
-    with pytest.raises(ValueError, match=r"margin \(from ACCELERATE_FP8_MARGIN\): '16' is out of range; use an integer from 0 to 8"):
+    with pytest.raises(ValueError,
+                       match=r"margin \(from ACCELERATE_FP8_MARGIN\): '16' is out of range; "
+                             r"use an integer from 0 to 8"):
         FP8RecipeKwargs()
     monkeypatch.delenv("ACCELERATE_FP8_MARGIN")
     monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LENGTH", "1000000000")  # the config wizard's key
@@ -360,7 +362,8 @@ def _accelerator_resume(rank, world, port, out_dir):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def accelerator():
-        return Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(**NATIVE, amax_history_len=16)])
+        return Accelerator(cpu=True, mixed_precision="fp8",
+                           kwargs_handlers=[FP8RecipeKwargs(**NATIVE, amax_history_len=16)])
 
     def steps(acc, model, optimizer, start, stop):
         losses = []

@@ -1,4 +1,5 @@
-"""_te_import.share_torch_cudnn (the te engine's import helper): TransformerEngine is pointed at torch's cuDNN, never over the user's choice.
+"""_te_import.share_torch_cudnn (the te engine's import helper): TransformerEngine is pointed at
+torch's cuDNN, never over the user's choice.
 
 The effect itself (one cuDNN in the process, cuDNN attention kept) needs a GPU and TE; it is
 checked in tests/gpu/test_te.py. Here: when the variable is set, and when it is left alone."""

@@ -128,7 +128,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, backend, caplog):
     def run(out, resume=None, drop_fp8_state=False):
         fresh()
         args = arguments(out, max_steps=6, save_strategy="steps", save_steps=4)
-        recipe = FP8RecipeKwargs(backend="native", amax_history_len=4) if backend == "native" else FP8RecipeKwargs(backend="ao")
+        recipe = (FP8RecipeKwargs(backend="native", amax_history_len=4) if backend == "native"
+                  else FP8RecipeKwargs(backend="ao"))
         trainer = FP8Trainer(model=tiny_llama(seed=0 if resume is None else 7), args=args, train_dataset=data,
                              fp8_recipe=recipe)
         if drop_fp8_state:
@@ -285,7 +286,8 @@ def test_two_cpu_processes_under_deepspeed_zero2(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
-        assert (result["distributed_type"], result["wrapper"], result["processes"]) == ("DEEPSPEED", "DeepSpeedEngine", 2)
+        assert (result["distributed_type"], result["wrapper"], result["processes"]) == (
+            "DEEPSPEED", "DeepSpeedEngine", 2)
         assert result["engine"] == "native" and result["converted"] == 14
         assert result["last_loss"] < 0.85 * result["first_loss"]
         assert abs(result["last_loss"] - result["bf16_losses"][-1]) < 0.03 * result["bf16_losses"][-1]

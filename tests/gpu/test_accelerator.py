@@ -13,8 +13,8 @@ import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, synthetic_batches
 from tests.support.hf import fresh
-from tests.support.training import tail_mean, train
 from tests.support.processes import child_env
+from tests.support.training import tail_mean, train
 
 CFG = DecoderConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=512, max_seq_len=64)
 ENGINES = ["native", "ao", "te"]

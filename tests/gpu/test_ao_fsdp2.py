@@ -1,7 +1,8 @@
 """FSDP2 with torchao float8 all-gather on two GPUs (device kind nvidia-h200-x2): the `ao` engine
 converts with enable_fsdp_float8_all_gather, fully_shard shards the float8 weights, and
 the end of each optimizer step (AOEngine.end_step, run by fp8plug.backends.steps' global optimizer hook
-for every model the engine converted) precomputes the next all-gather's scales. Checked against the same float8 model trained unsharded on the whole batch.
+for every model the engine converted) precomputes the next all-gather's scales. Checked against the
+same float8 model trained unsharded on the whole batch.
 Skipped unless two sm_89+ GPUs are visible.
 
 Run: source .gpu/install.sh && python3 -m pytest tests/gpu/test_ao_fsdp2.py -q -s

@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from tests.support.record import record
 from tests.support.processes import child_env
+from tests.support.record import record
 
 pytest.importorskip("deepspeed", reason="needs DeepSpeed (source .dskit/install.sh)")
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from tests.support.record import record
 from tests.support.processes import child_env
+from tests.support.record import record
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_accelerate.py"

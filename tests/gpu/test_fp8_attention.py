@@ -27,10 +27,10 @@ pytest.importorskip("transformer_engine.pytorch")
 
 import fp8plug  # noqa: E402
 from fp8plug import FP8RecipeKwargs
-from fp8plug.hf import fp8_attention  # noqa: E402
-from fp8plug.hf.attention import FP8PLUG_FP8_DPA  # noqa: E402
 from fp8plug.backends.te.attention import fp8_attention_problem  # noqa: E402
 from fp8plug.bench.toy_model import synthetic_batches  # noqa: E402
+from fp8plug.hf import fp8_attention  # noqa: E402
+from fp8plug.hf.attention import FP8PLUG_FP8_DPA  # noqa: E402
 from fp8plug.recipe.plans import Plan  # noqa: E402
 from tests.support.hf import fresh  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402

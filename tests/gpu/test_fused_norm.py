@@ -9,8 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8plug
-from fp8plug.backends.native import fused_cast
-from fp8plug.backends.native import fused_norm
+from fp8plug.backends.native import fused_cast, fused_norm
 from fp8plug.backends.native.fused_norm import FusedRMSNorm
 from tests.support.numerics import rel_error, sqnr_db
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,9 +97,9 @@ def train(mode: str, steps: int, spec: dict) -> dict:
     """Train the model `steps` steps: mode "bf16" (accelerate's bf16 autocast) or "O1"/"O2"
     (fp8plug.Accelerator, backend msamp)."""
     from accelerate import Accelerator as PlainAccelerator
+    from benchmarks.hf_llama import make_batches
 
     import fp8plug
-    from benchmarks.hf_llama import make_batches
     from fp8plug import FP8RecipeKwargs
 
     if mode == "bf16":
@@ -206,7 +207,8 @@ def test_msamp_o1_o2_train_within_2_percent_of_bf16(tmp_path):
     assert runs["bf16"]["final"] < 0.5 * runs["bf16"]["losses"][0], runs["bf16"]["final"]  # it learned
     for mode in ("O1", "O2"):
         result = runs[mode]
-        assert result["engine"] == "msamp" and result["fp8_linears"] == result["converted"] == 7 * SPEC["layers"], result
+        assert (result["engine"] == "msamp"
+                and result["fp8_linears"] == result["converted"] == 7 * SPEC["layers"]), result
         assert result["skipped"] == ["lm_head"] and result["optimizer"] == "LBAdamW", result
         assert abs(result["final"] - reference) <= TOLERANCE * reference, (mode, result["final"], reference)
     # O2 keeps Adam's first moment in FP8 and its second in FP16: its states take fewer bytes than O1's

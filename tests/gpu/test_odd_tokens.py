@@ -47,7 +47,8 @@ RECIPES = [
     pytest.param(("te", "delayed"), id="te-delayed", marks=needs_te),
     pytest.param(("te", "current"), id="te-current", marks=needs_te),
     pytest.param(("te", "block"), id="te-block",
-                 marks=[needs_te, pytest.mark.skipif(not _block_ok(), reason="block scaling needs sm_90 and CUDA 12.9")]),
+                 marks=[needs_te,
+                        pytest.mark.skipif(not _block_ok(), reason="block scaling needs sm_90 and CUDA 12.9")]),
 ]
 
 
@@ -127,7 +128,8 @@ def test_llama_on_odd_lengths_runs_every_gemm_in_fp8(backend):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert accelerator.fp8_reports[0].fp8_linears and len(accelerator.fp8_reports[0].fp8_linears) == 15
-    losses = train_on_lengths(accelerator, model, optimizer, (31, 33, 7, 127, 31), batch=3, vocab=512)  # 93, 99, 21, 381 tokens
+    # 93, 99, 21, 381 tokens
+    losses = train_on_lengths(accelerator, model, optimizer, (31, 33, 7, 127, 31), batch=3, vocab=512)
     coverage = accelerator.fp8_coverage()
     assert coverage["high_precision_gemms"] == 0 and coverage["fp8_gemms"] == 15 * 5
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -21,8 +21,8 @@ from torch import nn
 import fp8plug
 from fp8plug import FP8RecipeKwargs, sync_fp8_scaling
 from fp8plug.backends.native.engine import NativeFP8Linear
-from tests.support.numerics import sqnr_db
 from tests.cpu.test_scaling_faults import free_port, rel_error
+from tests.support.numerics import sqnr_db
 
 NATIVE = dict(backend="native", auto_filter=False)
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -99,7 +99,8 @@ def _sync_cost_worker(rank, world, port, out_dir, layers):
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
         torch.cuda.synchronize()
         reduce_only.append(time.perf_counter() - start)
-    torch.save({"sync_ms": statistics.median(times[10:]) * 1e3, "all_reduce_ms": statistics.median(reduce_only[10:]) * 1e3},
+    torch.save({"sync_ms": statistics.median(times[10:]) * 1e3,
+                "all_reduce_ms": statistics.median(reduce_only[10:]) * 1e3},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     os._exit(0)  # skip the interpreter's teardown (see tests/cpu/test_scaling_faults._leave)
@@ -206,7 +207,8 @@ def test_a_delayed_training_step_never_blocks_the_host(mode):
 
 def test_checkpointed_llama_matches_the_plain_run_on_the_gpu():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
 
     def run(checkpointed):

@@ -138,7 +138,8 @@ def test_recipes_run_within_6_percent_of_float64(scaling):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_amax_compute_algo_reaches_te(algo):
-    model = converted(linear_stack(widths=(64, 64)), FP8RecipeKwargs(backend="te", amax_compute_algo=algo, amax_history_len=16))
+    model = converted(linear_stack(widths=(64, 64)),
+                      FP8RecipeKwargs(backend="te", amax_compute_algo=algo, amax_history_len=16))
     big = torch.randn(16, 64, device=DEVICE, dtype=BF16) * 100
     small = torch.randn(16, 64, device=DEVICE, dtype=BF16)
     model(big)
@@ -367,7 +368,7 @@ assert probe.available, probe.reason
 choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
 major, minor, _ = torch._C._cudnn.getCompileVersion()
 print(torch.backends.cudnn.version(), f"{major}.{minor}", int(choice), int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION))
-"""
+"""  # noqa: E501 (a script's text, kept as it runs)
 
 
 @pytest.mark.parametrize("order", ["torch-first", "te-first"])

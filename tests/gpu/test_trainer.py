@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cpu.test_launch_configs import launch as launch_both
 from tests.support.hf import fresh
 from tests.support.processes import child_env
-from tests.cpu.test_launch_configs import launch as launch_both
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "trainer_fp8.py"

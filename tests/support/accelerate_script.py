@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# tests/cpu/test_accelerate_meaning.py reads this import as one line (the one users swap): keep it so
+# isort: off
 from accelerate.utils import TERecipeKwargs, apply_fp8_autowrap, contextual_fp8_autocast, convert_model, has_transformer_engine_layers  # noqa: E501
+# isort: on
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEPS = 20

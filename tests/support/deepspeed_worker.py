@@ -254,8 +254,10 @@ def one_run(args, stage, run, seed, shared_dir, zero_init=False):
     result = {
         "stage": stage, "run": run, "seed": seed, "losses": losses, "seconds": seconds,
         "tokens_per_s": steps * args.batch * args.seq * accelerator.num_processes / seconds,
-        "engine_class": type(model).__name__, "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-        "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0), "world_size": accelerator.num_processes,
+        "engine_class": type(model).__name__,
+        "optimizer_class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0),
+        "world_size": accelerator.num_processes,
         "mixed_precision": str(accelerator.mixed_precision), "zero_init": zero_init,
         "tied": tied(model),
     }

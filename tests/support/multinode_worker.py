@@ -27,9 +27,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from accelerate.utils import DistributedDataParallelKwargs
+from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs

@@ -134,7 +134,8 @@ def mx_support_problem(emulated: bool) -> Optional[str]:
     from torch.distributed.tensor import _dispatch, _ops
 
     if not (hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")):
-        return f"torchao's MXFP8 training needs a newer torch (a nightly in torchao 0.18's time) than {torch.__version__}"
+        return (f"torchao's MXFP8 training needs a newer torch (a nightly in torchao 0.18's time) "
+                f"than {torch.__version__}")
     if emulated:
         return None
     if not torch.cuda.is_available():
@@ -166,7 +167,8 @@ def mx_training_config(
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     if block_size not in (None, MX_BLOCK):
-        raise ValueError(f"AOMXLinearConfig.block_size: torchao's MXFP8 training uses blocks of 32, not {block_size!r}.")
+        raise ValueError(
+            f"AOMXLinearConfig.block_size: torchao's MXFP8 training uses blocks of 32, not {block_size!r}.")
     for field, value in (("elem_dtype", elem_dtype), ("elem_dtype_weight_override", elem_dtype_weight_override),
                          ("elem_dtype_grad_output_override", elem_dtype_grad_output_override)):
         dtype = _dtype(value, field)
@@ -179,7 +181,8 @@ def mx_training_config(
     if kernel is None:
         kernel = "auto" if torch.cuda.is_available() else "emulated"
     if kernel not in ("auto", "emulated"):
-        raise ValueError(f"AOMXLinearConfig.kernel_preference: use 'auto' or 'emulated' for MXFP8 training, not {kernel_preference!r}.")
+        raise ValueError(f"AOMXLinearConfig.kernel_preference: use 'auto' or 'emulated' for MXFP8 training, "
+                         f"not {kernel_preference!r}.")
     choice = _enum_value(mxfp8_cast_kernel_choice)
     if choice not in (None, "cuda"):
         warnings.warn(
@@ -191,7 +194,8 @@ def mx_training_config(
         mode = ScaleCalculationMode(mode)
     except ValueError:
         allowed = ", ".join(m.value for m in ScaleCalculationMode)
-        raise ValueError(f"AOMXLinearConfig.scale_calculation_mode: {scale_calculation_mode!r}; use one of {allowed}.") from None
+        raise ValueError(
+            f"AOMXLinearConfig.scale_calculation_mode: {scale_calculation_mode!r}; use one of {allowed}.") from None
     problem = mx_support_problem(emulated=kernel == "emulated")
     if problem:
         raise RuntimeError(

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8plug.backends.native import fused_cast, shared_input
 from fp8plug.backends.native.scaling import FP8_MAX, amax_of, delayed_scale, quantize, scale_from_amax
-from fp8plug.backends.native import fused_cast
-from fp8plug.backends.native import shared_input
 
 
 def cast_operand(t, dtype, delayed, prev_scale, use_prev, margin, transposed=True, source=None):

@@ -16,8 +16,7 @@ from typing import Optional, Set
 import torch
 from torch import nn
 
-from fp8plug.backends.native import fused_cast
-from fp8plug.backends.native import shared_input
+from fp8plug.backends.native import fused_cast, shared_input
 
 # Widest normalised dimension one program holds in registers (a row per program at a time).
 MAX_WIDTH = 32768

@@ -11,8 +11,16 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from fp8plug.backends.native.scaling import (
+    NOT_RECORDED,
+    DelayedSettings,
+    encode_for_reduction,
+    fold_delayed_scaling,
+    forget_bad_step,
+    reduce_across_ranks,
+    write_back,
+)
 from fp8plug.backends.steps import track, tracked
-from fp8plug.backends.native.scaling import NOT_RECORDED, DelayedSettings, encode_for_reduction, fold_delayed_scaling, forget_bad_step, reduce_across_ranks, write_back
 
 
 def _is_delayed_layer(module: nn.Module) -> bool:

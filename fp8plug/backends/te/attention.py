@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from fp8plug.tuning.hardware import DeviceInfo, device_info
+from fp8plug.backends.base import probe_import
 from fp8plug.backends.te.imports import (
     TE_MODULE,
     TEApi,
@@ -24,7 +24,7 @@ from fp8plug.backends.te.imports import (
     state_manager,
     te_version,
 )
-from fp8plug.backends.base import probe_import
+from fp8plug.tuning.hardware import DeviceInfo, device_info
 
 # cuDNN's FP8 fused attention is Hopper's and later (TE disables its FP8 attention elsewhere)
 MIN_CAPABILITY = (9, 0)

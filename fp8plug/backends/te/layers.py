@@ -16,9 +16,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from fp8plug.backends.padding import pad_tokens
 from fp8plug.backends.te.imports import TE_MODULE, TEApi, import_te, state_manager
 from fp8plug.backends.te.recipes import recipe_kind
-from fp8plug.backends.padding import pad_tokens
 
 EXTRA_STATE = "_extra_state"  # torch's suffix for get_extra_state entries
 

@@ -129,7 +129,8 @@ def _version_tuple(text: Optional[str]) -> Tuple[int, ...]:
     return tuple(parts) or (0,)
 
 
-def scaling_hardware_problem(scaling: str, capability: Tuple[int, int], cuda_version: Optional[str], gpu: str = "this GPU") -> Optional[str]:
+def scaling_hardware_problem(scaling: str, capability: Tuple[int, int], cuda_version: Optional[str],
+                             gpu: str = "this GPU") -> Optional[str]:
     """Why `scaling` cannot run on a GPU of this compute capability and CUDA version, or None."""
     major, minor = capability
     sm = f"sm_{major}{minor}"
