@@ -13,8 +13,8 @@ handles them:
   update) would run never or several times. Here the DeepSpeed engine's `step()` is wrapped
   instead: when it applied an optimizer step (its `global_steps` advanced), the FP8 engine's
   end-of-step work runs once (fp8plug.backends.steps.end_step).
-- Combinations that cannot work are refused before anything is built: each engine says why in
-  `Engine.deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
+- Combinations that cannot work are refused before anything is built: an engine that cannot
+  says why in its `deepspeed_problem` (MS-AMP needs its own DeepSpeed integration). A model partitioned at
   construction by `deepspeed.zero.Init` is asked about too; the engines that ship convert it by
   taking over its (partitioned) Parameter objects, which DeepSpeed gathers as for any module.
 - A DeepSpeed config with fp16 enabled is refused with the reason: fp8plug runs everything outside
@@ -38,6 +38,7 @@ from typing import Iterable, List
 
 from torch import nn
 
+from fp8plug.backends.base import offers
 from fp8plug.backends.steps import end_step
 
 logger = logging.getLogger("fp8plug")
@@ -100,7 +101,7 @@ def check_models(accelerator, models: Iterable[nn.Module]) -> None:
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
     for model in models:
-        problem = engine.deepspeed_problem(stage, partitioned=is_partitioned(model))
+        problem = _problem(engine, stage, partitioned=is_partitioned(model))
         if problem:
             raise ValueError(
                 f"fp8plug.Accelerator: the {engine.title} engine cannot train {type(model).__name__} under "
@@ -112,13 +113,18 @@ def check_engine(accelerator) -> None:
     """Refuse, when the Accelerator is built, an engine that cannot run under this ZeRO stage at all."""
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
-    problem = engine.deepspeed_problem(stage, partitioned=False)
+    problem = _problem(engine, stage, partitioned=False)
     if problem:
         raise ValueError(
             f"fp8plug.Accelerator: the {engine.title} engine cannot run under DeepSpeed ZeRO stage {stage}: "
             f"{problem}"
         )
     logger.info("fp8plug: FP8 with the %s engine under DeepSpeed ZeRO stage %d", engine.name, stage)
+
+
+def _problem(engine, stage: int, partitioned: bool):
+    """Why `engine` cannot train under ZeRO `stage`, where it says (its `deepspeed_problem`), else None."""
+    return engine.deepspeed_problem(stage, partitioned) if offers(engine, "deepspeed_problem") else None
 
 
 def hook_engine_steps(accelerator, prepared: Iterable[object]) -> None:

@@ -10,8 +10,8 @@ buffer of two elements on the layer's device (`fp8plug_gemm_counts`: FP8, high p
 incremented in place by a forward pre-hook, so a compiled graph mutates a buffer like any other
 (no Python state changes, no recompiles) and eager pays one tiny kernel per call. The buffer is
 left out of the state dict and of DDP's buffer broadcast (`_ddp_params_and_buffers_to_ignore` on
-the converted root). Whether a call runs in FP8 is the engine's answer
-(`Engine.runs_fp8(module, input)`, where `Engine.counts_gemms`); an engine that does not say gets no counter.
+the converted root). Whether a call runs in FP8 is the engine's answer (its `runs_fp8(module,
+input)`, an optional capability: fp8plug.backends.base.OPTIONAL); an engine without it gets no counter.
 
 What is counted: one per forward call of a converted Linear in training mode (its forward GEMM;
 the two backward GEMMs follow its precision unless override_linear_precision says otherwise),
@@ -102,7 +102,7 @@ def _engine(backend: str):
 
 
 def engine_counts(backend: str) -> bool:
-    """Whether the engine says, per call, whether a layer runs in FP8 (Engine.counts_gemms)."""
+    """Whether the engine says, per call, whether a layer runs in FP8 (it has `runs_fp8`)."""
     return _engine(backend) is not None
 
 

@@ -22,20 +22,8 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
         """Stand-in for accelerate.utils.KwargsHandler where accelerate is not installed."""
 
 from fp8plug.recipe.environment import ENV_NAMES, MODULES_TO_IGNORE_ENV, env_override, env_value, parse_bool  # noqa: E402
+from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402  (one row per engine)
 
-BACKEND_ALIASES = {
-    "msamp": "msamp",
-    "ms-amp": "msamp",
-    "ms_amp": "msamp",
-    "te": "te",
-    "transformer_engine": "te",
-    "transformer-engine": "te",
-    "transformerengine": "te",
-    "ao": "ao",
-    "torchao": "ao",
-    "native": "native",
-}
-BACKENDS = ("msamp", "te", "ao", "native")
 FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")  # MS-AMP's levels; which of them the msamp engine drives is its own rule
@@ -88,7 +76,7 @@ BOUNDS = {
 }
 
 def normalize_backend(value) -> Optional[str]:
-    """Canonical backend name ("msamp", "te", "ao", "native") from any spelling and case."""
+    """Canonical backend name (one of BACKENDS) from any spelling (BACKEND_ALIASES) and case."""
     if value is None:
         return None
     key = str(value).strip().lower()
@@ -120,8 +108,9 @@ class FP8RecipeKwargs(KwargsHandler, metaclass=_NamesItsAccelerator):
     exports (and the key names `accelerate config` writes), then from the defaults.
 
     Args:
-        backend: "msamp", "te", "ao" or "native" (any case); None picks by availability and
-            hardware, in that order.
+        backend: an engine's name, one of fp8plug.recipe.engines.BACKENDS or another spelling
+            there (any case); None chooses automatically (fp8plug.backends.select_backend;
+            `fp8plug env` says in which order, and what it chooses here).
         use_autocast_during_eval: run FP8 in eval mode too (default False: eval in high precision).
         opt_level: MS-AMP optimisation level, "O1" or "O2" ("O3" is MS-AMP's DeepSpeed-only level,
             which the msamp engine refuses).
