@@ -111,7 +111,7 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
     the `fp8plug` logger (fp8plug.coverage). A transformers model on "sdpa" attention also gets
     attention without a built causal mask where the plan says so (fp8plug.hf.attention), and FP8
     attention where it asks for it (`fp8_dpa`, fp8plug.hf.fp8_attention)."""
-    report = engine.convert_layers(model, plan, linear=linear, norm=norm)
+    report = engine.convert(model, plan, linear=linear, norm=norm)
     setattr(model, _CONVERTED_WITH, conversion_settings(engine, plan))
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     if plan.skip_causal_mask:

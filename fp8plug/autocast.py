@@ -16,7 +16,7 @@ from torch import nn
 
 from fp8plug.api import loaded_engines
 from fp8plug.backends import get_backend, select_backend
-from fp8plug.backends.base import Engine
+from fp8plug.backends.base import Engine, offers
 from fp8plug.recipe.plans import Plan, make_plan
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
@@ -36,6 +36,11 @@ def _resolve(fp8_recipe, backend, model=None):
     if recipe is None and fp8_recipe is not None:
         # an engine's own recipe object; as in Accelerate, a TransformerEngine one unless `backend` says
         engine = get_backend(backend or "te")
+        if not offers(engine, "engine_recipe"):
+            raise TypeError(
+                f"fp8_recipe: give an fp8plug.FP8RecipeKwargs; the {engine.title} engine has no recipe objects "
+                f"of its own, so {type(fp8_recipe).__name__} cannot be used."
+            )
         return engine, engine.engine_recipe(fp8_recipe)
     recipe = recipe or FP8RecipeKwargs()
     holding = _engine_holding(model) if backend is None and recipe.backend is None else None

@@ -1,8 +1,10 @@
 """The engine registry and the automatic choice between engines, with a reason for each.
 
-Engines are imported only when asked for, so `import fp8plug` never imports TransformerEngine,
-MS-AMP or torchao, and a broken install of one is reported rather than raised. Engines never
-import this module (the protocol and its errors live in backends/base.py).
+Which engines exist, where their code lives and how fast they were measured is one row each in
+fp8plug.recipe.engines; this module imports an engine from its row only when asked for, so
+`import fp8plug` never imports TransformerEngine, MS-AMP or torchao, and a broken install of one
+is reported rather than raised. Engines never import this module (the protocol and its errors
+live in backends/base.py).
 """
 
 from __future__ import annotations
@@ -14,22 +16,17 @@ from typing import Dict, Optional
 
 from fp8plug.layers import gemm_counts
 from fp8plug.tuning.hardware import DeviceInfo, device_info
+from fp8plug.recipe.engines import ENGINES, MEASURED_ON, Speed
 from fp8plug.recipe.kwargs import BACKENDS, normalize_backend
-from fp8plug.backends.base import MEASURED_ON, Engine, BackendUnavailableError, Probe, Speed
+from fp8plug.backends.base import Engine, BackendUnavailableError, Probe, offers
 
-# The automatic order, as Accelerate documents it (MS-AMP first), then torchao, then our own.
-_MODULES = {
-    "msamp": "fp8plug.backends.msamp.engine:MSAMPEngine",
-    "te": "fp8plug.backends.te.engine:TEEngine",
-    "ao": "fp8plug.backends.ao.engine:AOEngine",
-    "native": "fp8plug.backends.native.engine:NativeEngine",
-}
 _INSTANCES: Dict[str, Engine] = {}
 _A = {"compiled": "a compiled", "eager": "an eager"}
-MODES = ("compiled", "eager")  # how a model can run, each with its Engine.measured figure
-# bf16 eager's speed against bf16 compiled in the run behind Engine.measured: an FP8 engine below
-# it is slower than not using FP8 at all when the model runs eagerly
+MODES = ("compiled", "eager")  # how a model can run, each with its measured figure (EngineRow.measured)
+# bf16 eager's speed against bf16 compiled in the run behind the measured figures: an FP8 engine
+# below it is slower than not using FP8 at all when the model runs eagerly
 BF16_EAGER_SPEEDUP = 0.84
+ORDER = ", ".join(BACKENDS)  # the automatic order where measured speed does not decide (the rows')
 
 
 def get_backend(name: str) -> Engine:
@@ -43,16 +40,21 @@ def get_backend(name: str) -> Engine:
 def _engine(canonical: str) -> Engine:
     """The engine object for a canonical name (one of BACKENDS), imported on first use."""
     if canonical not in _INSTANCES:
-        module_name, class_name = _MODULES[canonical].split(":")
+        module_name, class_name = ENGINES[canonical].engine.split(":")
         _INSTANCES[canonical] = getattr(importlib.import_module(module_name), class_name)()
     return _INSTANCES[canonical]
 
 
 def _counting_engine(name: str) -> Optional[Engine]:
     """The engine named `name` where it says, per call, whether a converted Linear runs in FP8
-    (Engine.counts_gemms), else None: what a GEMM counter asks (fp8plug.layers.gemm_counts)."""
+    (it offers `runs_fp8`), else None: what a GEMM counter asks (fp8plug.layers.gemm_counts)."""
     engine = get_backend(name)
-    return engine if engine.counts_gemms else None
+    return engine if offers(engine, "runs_fp8") else None
+
+
+def _measured(name: str) -> Dict[str, Speed]:
+    """The engine's measured speed by mode (its row's)."""
+    return ENGINES[name].measured
 
 
 # GEMM counters sit below the registry (conversion installs them), so the registry hands them
@@ -94,7 +96,7 @@ class Selection:
         """The chosen engine's measured speed in this selection's mode (None outside a ranked
         choice); for "any", its compiled figure, with the scaling it was measured with in both
         modes (None where the two differ)."""
-        return _speed(self.backend, self.mode) if self.backend and self.mode else None
+        return _speed(self.name, self.mode) if self.backend and self.mode else None
 
     def tune(self, recipe):
         """`recipe` with the settings the chosen engine was measured fastest with (its `scaling`),
@@ -111,7 +113,7 @@ class Selection:
             return f"{self.name}"
         with_scaling = f" with {speed.scaling} scaling" if speed.scaling else ""
         if self.mode == "any":
-            figures = ", ".join(f"{self.backend.measured[m].speedup:.2f}x {m}" for m in MODES)
+            figures = ", ".join(f"{_measured(self.name)[m].speedup:.2f}x {m}" for m in MODES)
             line = (f"{self.name}{with_scaling}, measured fastest however the model is held, eager or "
                     f"compiled before or after prepare ({figures}, against bf16 compiled; {MEASURED_ON})")
             return line + self._costs_eager()
@@ -126,12 +128,11 @@ class Selection:
         """Where the choice for either mode is slower eagerly than an engine that was not chosen,
         by more than 2%: what that costs, and the fix for a model that will never be compiled."""
         usable = [n for n, v in self.verdicts.items() if v.usable or not v.checked]
-        rivals = [(_engine(n).measured["eager"].speedup, n) for n in usable
-                  if n != self.name and "eager" in _engine(n).measured]
+        rivals = [(_measured(n)["eager"].speedup, n) for n in usable if n != self.name and "eager" in _measured(n)]
         if not rivals:
             return ""
         best, name = max(rivals)
-        mine = self.backend.measured["eager"].speedup
+        mine = _measured(self.name)["eager"].speedup
         if mine >= best * 0.98:
             return ""
         return (f"; run eagerly (never compiled) it is {1 - mine / best:.0%} slower than {name} "
@@ -145,23 +146,23 @@ class Selection:
         elif self.mode == "any":
             how = ("automatic, the engine whose slower mode (eager or compiled) comes closest to the "
                    f"fastest engine in that mode ({MEASURED_ON}); unmeasured engines and ties within 1% "
-                   "in the order msamp, te, ao, native")
+                   f"in the order {ORDER}")
         elif self.mode:
             how = (f"automatic, the fastest measured for {_A[self.mode]} model ({MEASURED_ON}); "
-                   "unmeasured engines and ties within 1% in the order msamp, te, ao, native")
+                   f"unmeasured engines and ties within 1% in the order {ORDER}")
         else:
-            how = "automatic (msamp, te, ao, native)"
+            how = f"automatic ({ORDER})"
         lines.append(f"selection: {how}")
         for verdict in self.verdicts.values():
             mark = "chosen" if self.backend and verdict.name == self.backend.name else (
                 "usable" if verdict.usable else "no" if verdict.checked else "skipped"
             )
             version = f" {verdict.probe.version}" if verdict.probe.version else ""
-            engine = _engine(verdict.name)
+            speeds = _measured(verdict.name)
             modes = (MODES if self.mode == "any" else (self.mode,)) if self.mode else ()
-            figures = [f"{m}: {engine.measured[m].speedup:.2f}x bf16 compiled"
-                       + (f", {engine.measured[m].scaling} scaling" if engine.measured[m].scaling else "")
-                       for m in modes if m in engine.measured]
+            figures = [f"{m}: {speeds[m].speedup:.2f}x bf16 compiled"
+                       + (f", {speeds[m].scaling} scaling" if speeds[m].scaling else "")
+                       for m in modes if m in speeds]
             measured = f" [{'; '.join(figures)}]" if figures else ""
             lines.append(f"  {verdict.name:7s} {verdict.title}{version}: {mark} - {verdict.reason}{measured}")
         return "\n".join(lines)
@@ -171,7 +172,7 @@ def judge(name: str, device: DeviceInfo) -> Verdict:
     """Probe one engine (by canonical name) and check it against the device."""
     engine = _engine(name)
     probe = engine.probe()
-    if device.type == "cpu" and not engine.runs_on_cpu:  # a GPU-only engine: installing would not help
+    if device.type == "cpu":  # an engine that cannot run on the CPU: installing would not help
         ok, why = engine.supports(device)
         if not ok:
             return Verdict(name, engine.title, probe, False, why)
@@ -200,13 +201,13 @@ def _none_usable(selection: Selection) -> BackendUnavailableError:
 def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None) -> Selection:
     """Choose the engine: the requested one if it can run (else an error saying why and how to
     install it), or automatically among the usable ones. Automatically, on a device with FP8
-    GEMMs, by measured speed (Engine.measured): where it is known how the model will run
-    (`compiled` True or False), the engine fastest in that mode; where it is not (None: most
-    training loops call torch.compile(model) themselves after prepare, which nothing can see
-    coming), the engine that loses least in its slower mode, so that the default is fast however
-    the model is held. Between engines within 1% or unmeasured, and on a device without FP8
-    GEMMs, the first usable one in the order msamp, te, ao, native. `Selection.tune` then gives
-    the recipe the settings that figure was measured with.
+    GEMMs, by measured speed (the rows' `measured`, fp8plug.recipe.engines): where it is known
+    how the model will run (`compiled` True or False), the engine fastest in that mode; where it
+    is not (None: most training loops call torch.compile(model) themselves after prepare, which
+    nothing can see coming), the engine that loses least in its slower mode, so that the default
+    is fast however the model is held. Between engines within 1% or unmeasured, and on a device
+    without FP8 GEMMs, the first usable one in the rows' order (ORDER). `Selection.tune` then
+    gives the recipe the settings that figure was measured with.
 
     In the automatic choice by order every engine is judged, not only the winner, so the choice
     can be explained. A requested engine is the only one probed, and the choice by measured speed
@@ -257,15 +258,16 @@ def _ranked_choice(selection: Selection, mode: str) -> Selection:
     return selection
 
 
-def _speed(engine: Engine, mode: str) -> Optional[Speed]:
-    """`engine`'s measured speed in `mode`; for "any", its compiled figure with the scaling of
+def _speed(name: str, mode: str) -> Optional[Speed]:
+    """The engine's measured speed in `mode`; for "any", its compiled figure with the scaling of
     both modes' measurements where they agree (else None: the engine's default)."""
+    measured = _measured(name)
     if mode != "any":
-        return engine.measured.get(mode)
-    if not all(m in engine.measured for m in MODES):
+        return measured.get(mode)
+    if not all(m in measured for m in MODES):
         return None
-    scalings = {engine.measured[m].scaling for m in MODES}
-    return Speed(engine.measured["compiled"].speedup, scalings.pop() if len(scalings) == 1 else None)
+    scalings = {measured[m].scaling for m in MODES}
+    return Speed(measured["compiled"].speedup, scalings.pop() if len(scalings) == 1 else None)
 
 
 def _scores(names, mode: str) -> Dict[str, Optional[float]]:
@@ -273,11 +275,10 @@ def _scores(names, mode: str) -> Dict[str, Optional[float]]:
     for "any", the worse of its two fractions of the fastest engine in each mode (an engine 14%
     behind when compiled and level when eager scores 0.86)."""
     if mode != "any":
-        return {n: (_engine(n).measured[mode].speedup if mode in _engine(n).measured else None) for n in names}
-    best = {m: max((_engine(n).measured[m].speedup for n in names if m in _engine(n).measured), default=0.0)
-            for m in MODES}
-    return {n: (min(_engine(n).measured[m].speedup / best[m] for m in MODES)
-                if all(m in _engine(n).measured for m in MODES) else None) for n in names}
+        return {n: (_measured(n)[mode].speedup if mode in _measured(n) else None) for n in names}
+    best = {m: max((_measured(n)[m].speedup for n in names if m in _measured(n)), default=0.0) for m in MODES}
+    return {n: (min(_measured(n)[m].speedup / best[m] for m in MODES)
+                if all(m in _measured(n) for m in MODES) else None) for n in names}
 
 
 def _fastest_first(names, mode: str):

@@ -1,14 +1,16 @@
 """The protocol every FP8 engine implements, the small records it returns, and the errors it raises.
 
-An engine is one class in one file (fp8plug/backends/<name>.py): it says whether it can run (and
-why not), declares the recipe fields it honours and turns them into its own frozen plan once
-(`make_plan`, through fp8plug.recipe.plans), converts a model's modules to its own and back with that
-plan, gives the autocast context its modules need, and may adapt the optimizer and the state
-dict. Everything outside fp8plug/backends/ talks to an engine only through the methods below;
-each has a default, so every engine answers every question. An engine file imports this module
-and shared helpers (fp8plug.layers.rules, fp8plug.backends.native.scaling, backends.padding, backends.region), never
-a sibling engine or the registry. Which modules to convert, the eval policy, checkpoints and the
-Accelerate wiring are shared and live outside the engines (docs/architecture.md).
+An engine is one Engine subclass (fp8plug/backends/<name>/engine.py, or one file) plus its row in
+fp8plug.recipe.engines. Its core, which every engine answers: whether it can run (`probe`), its
+frozen plan made once from the recipe fields it honours (`make_plan`, through
+fp8plug.recipe.plans), converting a model's modules to its own and back, the context a forward
+runs in (`autocast`), the work due once per optimizer step (`end_step`), and its FP8 scaling state
+for checkpoints. Anything more is an optional capability (OPTIONAL): a method Engine does not
+define, which an engine has exactly when it defines it, and which callers ask about with
+`offers` before calling it. Code outside fp8plug/backends/ talks to an engine only through these
+methods and never asks which engine it has. An engine imports this module and shared helpers
+(fp8plug.layers.rules, backends.padding, backends.region, ...), never a sibling engine or the
+registry (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -97,43 +99,49 @@ def probe_import(module_name: str, version_of: Optional[Callable] = None) -> Pro
     return Probe(True, version=str(version) if version is not None else None)
 
 
-@dataclass(frozen=True)
-class Speed:
-    """A training speed-up measured for an engine over bf16 under torch.compile, in one run of
-    benchmarks/training/hf_llama.py (docs/performance.md), and the `scaling` it was measured with, which
-    the automatic choice then uses where the user set none (None: the engine's default)."""
+# The optional capabilities: methods Engine does not define. An engine has one exactly when its
+# class defines the method; a caller asks `offers(engine, name)` first and otherwise takes its own
+# plain path. So what an engine can do is said once, by the method, never by a flag beside it.
+OPTIONAL = {
+    "prepare": "prepare(model, optimizer, plan) -> (model, optimizer): adapt a converted model and its optimizer "
+               "together; fp8plug.Accelerator finds the one optimizer holding each model's parameters for it",
+    "clip_grad_norm_": "clip_grad_norm_(parameters, max_norm, norm_type): fp8plug.Accelerator clips with it instead "
+                       "of accelerate's, which cannot read the engine's gradients",
+    "runs_fp8": "runs_fp8(module, input) -> bool: whether this call of a converted Linear runs its GEMMs in FP8, "
+                "decided as its forward decides, in plain traceable code; converted Linears then count their "
+                "calls (fp8plug.layers.gemm_counts)",
+    "microbatch": "microbatch(is_first) -> context: one micro-batch of gradient accumulation, the first since the "
+                  "last optimizer step or not (fp8plug.Accelerator.accumulate)",
+    "plain_entries": "plain_entries(state_dict) -> dict: the state dict without the engine's own entries, its value "
+                     "types made plain (Engine.plain_state_dict, fp8plug.checkpoints.state)",
+    "engine_recipe": "engine_recipe(recipe_object) -> plan: the engine's own recipe object, taken where an "
+                     "FP8RecipeKwargs is expected (fp8plug.autocast)",
+    "has_storageless_weights": "has_storageless_weights() -> bool: whether converted models may now hold weights "
+                               "without storage of their own, which accelerate's FSDP2 preparation must look "
+                               "through (fp8plug.Accelerator)",
+    "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
+                         "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
+}
 
-    speedup: float
-    scaling: Optional[str] = None
 
-
-# where Engine.measured comes from, for `fp8plug env` and the selection's explanation
-MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/training/hf_llama.py (docs/performance.md)"
+def offers(engine, capability: str) -> bool:
+    """Whether `engine` has the optional `capability` (a name in OPTIONAL): its class defines it."""
+    if capability not in OPTIONAL:
+        raise ValueError(f"{capability!r} is not an optional engine capability; those are {', '.join(OPTIONAL)}.")
+    return callable(getattr(engine, capability, None))
 
 
 class Engine:
-    """One FP8 engine behind one protocol. Subclasses set the class attributes and override what
-    their engine does; the defaults are what an engine that needs nothing there would do."""
+    """One FP8 engine behind one protocol: the core every engine answers. Subclasses set the class
+    attributes, override what their engine does (the defaults are what an engine that needs
+    nothing there would do) and define the optional capabilities they have (OPTIONAL)."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # its row's name (fp8plug.recipe.engines)
     title: ClassVar[str]
     install_hint: ClassVar[str]
-    runs_on_cpu: ClassVar[bool] = False
+    runs_on_cpu: ClassVar[bool] = False  # read by `supports`
     # the scaling recipes FP8RecipeKwargs.scaling may name for this engine; the default comes first
     scalings: ClassVar[Tuple[str, ...]] = ()
-    # measured training speed by how the model runs ("compiled", "eager"), for the automatic choice
-    # on an FP8 GPU (MEASURED_ON); an engine without a figure ranks after those with one
-    measured: ClassVar[Dict[str, Speed]] = {}
-    # What the engine does beyond the defaults, said outright rather than inferred from which
-    # methods a subclass overrides (an override that only refines a default must not change what
-    # the callers do). Each is read where the matching method is called.
-    # `prepare` adapts a (model, optimizer) pair, so the Accelerator must find the one optimizer
-    # holding each model's parameters (MS-AMP's msamp.initialize)
-    adapts_optimizer: ClassVar[bool] = False
-    # `clip_grad_norm_` must replace accelerate's (torch's cannot read the engine's gradients)
-    clips_gradients: ClassVar[bool] = False
-    # `runs_fp8` says per call whether a converted Linear runs FP8, so coverage counts GEMMs
-    counts_gemms: ClassVar[bool] = False
     # The recipe fields this engine reads (besides fp8plug.recipe.plans.SHARED), under every scaling and
     # under one scaling only: `make_plan` can read exactly these, and a field the user passes that
     # is not among them is warned about (fp8plug.recipe.plans), so a new field needs no other edit.
@@ -215,19 +223,6 @@ class Engine:
             f"not {type(plan).__name__}."
         )
 
-    def check_recipe(self, recipe) -> None:
-        """Refuse, with a ValueError naming the field, a recipe this engine cannot honour (making
-        its plan does the refusing)."""
-        self.plan_of(recipe)
-
-    def engine_recipe(self, recipe_object: Any) -> Plan:
-        """Accept the engine's own recipe object (e.g. a TransformerEngine DelayedScaling) where an
-        FP8RecipeKwargs is expected, returning the plan `autocast` takes. Default: refused."""
-        raise TypeError(
-            f"fp8_recipe: give an fp8plug.FP8RecipeKwargs; the {self.title} engine has no recipe objects "
-            f"of its own, so {type(recipe_object).__name__} cannot be used."
-        )
-
     def scaling_name(self, scaling: Optional[str]) -> str:
         """The scaling recipe this engine will use for FP8RecipeKwargs.scaling = `scaling`: that
         one, checked, or the default (the first of `scalings`) for None."""
@@ -241,18 +236,12 @@ class Engine:
         return scaling
 
     # conversion ---------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, plan) -> "ConversionReport":
+    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> "ConversionReport":
         """Swap the eligible modules of `model` (in place) for this engine's FP8 modules, as `plan`
-        says (its plan; a recipe is made into one, `plan_of`)."""
+        says (its plan; a recipe is made into one, `plan_of`): its Linear layers where `linear`,
+        and the norms it converts, if any, where `norm` (Accelerate's convert_model(_convert_linear,
+        _convert_ln))."""
         raise NotImplementedError
-
-    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> "ConversionReport":
-        """`convert`, limited to Linear layers (`linear`) and norms (`norm`), as Accelerate's
-        convert_model(_convert_linear, _convert_ln) asks. Default, for engines that convert only
-        Linears: `convert` when `linear`, else an empty report."""
-        if linear:
-            return self.convert(model, plan)
-        return ConversionReport(self.name)
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap this engine's modules back for plain torch modules with the same weights."""
@@ -268,18 +257,6 @@ class Engine:
         says (engines whose context needs nothing from it ignore it)."""
         return contextlib.nullcontext()
 
-    def runs_fp8(self, module: nn.Module, input) -> Optional[bool]:
-        """Whether this call of the converted Linear `module` on `input` runs its GEMMs in FP8,
-        decided exactly as its forward decides (fp8plug.coverage counts calls with it; it runs
-        inside compiled graphs, so it must be plain, traceable code). Read only where
-        `counts_gemms` is True."""
-        return None
-
-    def prepare(self, model: nn.Module, optimizer, plan):
-        """Adapt a (model, optimizer) pair after conversion, as `plan` says; most engines need
-        nothing. Called by the Accelerator only where `adapts_optimizer` is True."""
-        return model, optimizer
-
     def end_step(self, models, group=None) -> None:
         """Work due once per applied optimizer step, after the update, for `models` (every model
         this engine converted when the list is empty), with collectives over the ranks of `group`
@@ -288,52 +265,7 @@ class Engine:
         loop; an engine with such work tracks the models it converts (fp8plug.backends.steps.track).
         Default: nothing."""
 
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
-        """Clip gradients where torch's clip_grad_norm_ cannot read this engine's gradients (MS-AMP's
-        ScalingTensor). fp8plug.Accelerator calls it instead of accelerate's only where
-        `clips_gradients` is True; the default is torch's."""
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
-    def has_storageless_weights(self) -> bool:
-        """Whether this engine may have given models weights that are tensor subclasses without
-        storage of their own (data_ptr() == 0; torchao's float8 all-gather weights), which
-        accelerate's FSDP2 preparation must look through. Default: False."""
-        return False
-
-    def deepspeed_problem(self, stage: int, partitioned: bool) -> Optional[str]:
-        """Why this engine cannot train under DeepSpeed ZeRO `stage` (with the model's weights
-        already `partitioned` by deepspeed.zero.Init when True), or None where it can
-        (fp8plug.integrations.deepspeed_zero turns the reason into the error)."""
-        return None
-
     # checkpoints --------------------------------------------------------------------------------
-    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
-        """`state_dict` without this engine's own entries: only the plain architecture's keys remain
-        (the engine's part is `plain_entries`; engines do not override this one).
-
-        The result is an OrderedDict in the input's key order, with its `_metadata`, as
-        `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before
-        a safetensors save only from an OrderedDict (a plain dict reaches safetensors with both
-        names of a tied weight, and it refuses to write: "Some tensors share memory")."""
-        kept = self.plain_entries(OrderedDict(state_dict))
-        out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
-        out.update((key, value) for key, value in kept.items() if key not in out)
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            out._metadata = metadata
-        return out
-
-    def plain_entries(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The engine's part of `plain_state_dict`: `state_dict` with its own entries dropped and
-        its own value types made plain (in any order; fp8plug.checkpoints.state also asks it which keys
-        are the engine's). Default: unchanged."""
-        return state_dict
-
-    def microbatch(self, is_first: Optional[bool]):
-        """Context for one micro-batch of gradient accumulation: `is_first` says whether it is the
-        first since the last optimizer step (engines that cache FP8 weights use it). Default: no-op."""
-        return contextlib.nullcontext()
-
     def fp8_state(self, model: nn.Module) -> Dict[str, Dict[str, torch.Tensor]]:
         """The FP8 scaling state of `model`'s converted modules ({module fqn: {name: tensor}}),
         which the plain state dict leaves out; `Accelerator.save_state` stores it beside the
@@ -342,3 +274,21 @@ class Engine:
 
     def load_fp8_state(self, model: nn.Module, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
         """Put back what `fp8_state` returned (into a model converted the same way)."""
+
+    def plain_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+        """`state_dict` without this engine's own entries: only the plain architecture's keys remain
+        (the engine's part is its `plain_entries`, where it has one; engines do not override this).
+
+        The result is an OrderedDict in the input's key order, with its `_metadata`, as
+        `nn.Module.state_dict()` returns: accelerate removes tied and other shared tensors before
+        a safetensors save only from an OrderedDict (a plain dict reaches safetensors with both
+        names of a tied weight, and it refuses to write: "Some tensors share memory")."""
+        kept = OrderedDict(state_dict)
+        if offers(self, "plain_entries"):
+            kept = self.plain_entries(kept)
+        out = OrderedDict((key, kept[key]) for key in state_dict if key in kept)
+        out.update((key, value) for key, value in kept.items() if key not in out)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata
+        return out

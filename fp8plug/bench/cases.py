@@ -119,6 +119,7 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     autocast = engine = None
     if spec.backend is not None:
         from fp8plug.backends import get_backend
+        from fp8plug.backends.base import offers
         from fp8plug.recipe.plans import make_plan
         from fp8plug.recipe.kwargs import FP8RecipeKwargs
         from fp8plug.backends.steps import end_step
@@ -129,9 +130,8 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
         if not report.converted:
             why = "; ".join(f"{name}: {reason}" for name, reason in report.skipped.items()) or "nothing converted"
             raise BenchSkip(f"not converted ({why})")
-        # engines that adapt a (model, optimizer) pair (MS-AMP) need one; it never steps
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.0)
-        model = engine.prepare(model, optimizer, plan)[0]
+        if offers(engine, "prepare"):  # an engine adapting a (model, optimizer) pair (MS-AMP): one that never steps
+            model = engine.prepare(model, torch.optim.Adam(model.parameters(), lr=0.0), plan)[0]
 
         def autocast():
             return engine.autocast(plan, enabled=True)

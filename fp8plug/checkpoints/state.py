@@ -17,23 +17,24 @@ and with a long interval they would stay wrong for that many steps.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Set, Union
+from typing import Any, Dict, Iterable, List, Mapping, Set, Union
 
 import torch
 from torch import nn
 
 from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
-
-if TYPE_CHECKING:
-    from fp8plug.backends.base import Engine
+from fp8plug.backends.base import Engine, offers
 
 _HOOKED = "_fp8plug_plain_state_dict"
 logger = logging.getLogger("fp8plug")
 
 
 def engine_keys(entries: Union[Mapping[str, Any], Iterable[str]], engine: "Engine") -> Set[str]:
-    """Which entries are the engine's own (those `Engine.plain_state_dict` drops). Given only
-    keys (a load's missing keys), each is asked about with an empty tensor as its value."""
+    """Which entries are the engine's own (those `Engine.plain_state_dict` drops: none for an
+    engine without `plain_entries`). Given only keys (a load's missing keys), each is asked about
+    with an empty tensor as its value."""
+    if not offers(engine, "plain_entries"):
+        return set()
     if not isinstance(entries, Mapping):
         entries = {key: torch.empty(0) for key in entries}
     kept = engine.plain_entries(dict(entries))

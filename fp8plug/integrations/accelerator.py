@@ -33,7 +33,7 @@ from torch import nn
 from fp8plug.api import check_converted_like, convert_with_plan, loaded_engines
 from fp8plug.autocast import apply_fp8_autowrap
 from fp8plug.backends import select_backend
-from fp8plug.backends.base import Engine
+from fp8plug.backends.base import Engine, offers
 from fp8plug.checkpoints.state import FP8CheckpointState, install_plain_state_dict
 from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
 from fp8plug.coverage import fp8_coverage, is_main_process, logger
@@ -44,7 +44,8 @@ from fp8plug._upstream import FP8EngineName, AcceleratorInternals, is_prepared, 
 from fp8plug._upstream import restore_forward, shared_precision, storage_view  # noqa: F401  (storage_view: public here)
 from fp8plug.integrations.optim import convert_optimizer
 from fp8plug.recipe.plans import Plan, make_plan
-from fp8plug.recipe import FP8RecipeKwargs
+from fp8plug.recipe.engines import BACKENDS, listed
+from fp8plug.recipe.kwargs import FP8RecipeKwargs
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
 _ACCELERATE_FP8_HANDLERS = tuple(
@@ -171,8 +172,9 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
 
     def fp8_weights_may_lack_storage(self) -> bool:
         """Whether a loaded engine may hold weights as tensors without storage of their own
-        (Engine.has_storageless_weights), which accelerate's FSDP2 parameter lookup must unwrap."""
-        return any(engine.has_storageless_weights() for engine in loaded_engines())
+        (its `has_storageless_weights`), which accelerate's FSDP2 parameter lookup must unwrap."""
+        return any(offers(engine, "has_storageless_weights") and engine.has_storageless_weights()
+                   for engine in loaded_engines())
 
     # prepare ---------------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -251,10 +253,10 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         return not (fsdp is not None and getattr(fsdp, "cpu_ram_efficient_loading", False))
 
     def _pair_with_optimizers(self, args: list, models: List[nn.Module]) -> None:
-        """Give engines that adapt a (model, optimizer) pair their pair (MS-AMP: the optimizer in
-        the same prepare() call that holds the model's parameters, or None)."""
+        """Give engines that adapt a (model, optimizer) pair (those with `prepare`) their pair
+        (MS-AMP: the optimizer in the same prepare() call that holds the model's parameters, or None)."""
         engine = self.fp8_engine
-        if not engine.adapts_optimizer:
+        if not offers(engine, "prepare"):
             return
         for model in models:
             holders = _holders(args, model)
@@ -315,10 +317,11 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
 
     @contextlib.contextmanager
     def accumulate(self, *models):
-        """accelerate's accumulate; the engine also learns whether this micro-batch is the first of
-        its accumulation window (TransformerEngine then casts weights to FP8 once per window)."""
+        """accelerate's accumulate; an engine with `microbatch` also learns whether this micro-batch
+        is the first of its accumulation window (TransformerEngine then casts weights to FP8 once per
+        window)."""
         with super().accumulate(*models):
-            if self.fp8_engine is None:
+            if self.fp8_engine is None or not offers(self.fp8_engine, "microbatch"):
                 yield
                 return
             num_steps = self.gradient_state.num_steps
@@ -331,7 +334,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         """accelerate's clip_grad_norm_, or the engine's own where torch's cannot read its
         gradients (MS-AMP's ScalingTensor gradients)."""
         engine = self.fp8_engine
-        if engine is None or not engine.clips_gradients:
+        if engine is None or not offers(engine, "clip_grad_norm_"):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -378,7 +381,7 @@ def _take_recipe(handlers: list) -> Optional[FP8RecipeKwargs]:
     if theirs:
         raise ValueError(
             f"fp8plug.Accelerator: kwargs_handlers holds accelerate's own {type(theirs[0]).__name__}; "
-            "use fp8plug.FP8RecipeKwargs instead (backend='te', 'ao', 'msamp' or 'native' and the same "
+            f"use fp8plug.FP8RecipeKwargs instead (backend={listed(BACKENDS)} and the same "
             "recipe fields), which works with every engine."
         )
     if len(ours) > 1:

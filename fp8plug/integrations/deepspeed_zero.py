@@ -18,6 +18,7 @@ from typing import Iterable, List
 
 from torch import nn
 
+from fp8plug.backends.base import offers
 from fp8plug.backends.steps import end_step
 
 logger = logging.getLogger("fp8plug")
@@ -80,7 +81,7 @@ def check_models(accelerator, models: Iterable[nn.Module]) -> None:
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
     for model in models:
-        problem = engine.deepspeed_problem(stage, partitioned=is_partitioned(model))
+        problem = _problem(engine, stage, partitioned=is_partitioned(model))
         if problem:
             raise ValueError(
                 f"fp8plug.Accelerator: the {engine.title} engine cannot train {type(model).__name__} under "
@@ -92,13 +93,18 @@ def check_engine(accelerator) -> None:
     """Refuse, when the Accelerator is built, an engine that cannot run under this ZeRO stage at all."""
     stage = zero_stage(accelerator)
     engine = accelerator.fp8_engine
-    problem = engine.deepspeed_problem(stage, partitioned=False)
+    problem = _problem(engine, stage, partitioned=False)
     if problem:
         raise ValueError(
             f"fp8plug.Accelerator: the {engine.title} engine cannot run under DeepSpeed ZeRO stage {stage}: "
             f"{problem}"
         )
     logger.info("fp8plug: FP8 with the %s engine under DeepSpeed ZeRO stage %d", engine.name, stage)
+
+
+def _problem(engine, stage: int, partitioned: bool):
+    """Why `engine` cannot train under ZeRO `stage`, where it says (its `deepspeed_problem`), else None."""
+    return engine.deepspeed_problem(stage, partitioned) if offers(engine, "deepspeed_problem") else None
 
 
 def hook_engine_steps(accelerator, prepared: Iterable[object]) -> None:

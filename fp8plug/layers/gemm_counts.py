@@ -3,7 +3,7 @@
 An FP8 run can silently be a high-precision run (a layer left alone, a region that turns FP8 off,
 an input the GEMM cannot take): nothing fails and the speed-up is gone. So each converted
 nn.Linear counts its forward calls in two bins, FP8 and high precision, as its engine answers
-(`Engine.runs_fp8`), and `fp8_coverage(model)` reads them back. What a call is, and what is not
+(its optional `runs_fp8`), and `fp8_coverage(model)` reads them back. What a call is, and what is not
 counted: docs/troubleshooting.md, "Is it really FP8?".
 """
 
@@ -90,7 +90,7 @@ def _engine(backend: str):
 
 
 def engine_counts(backend: str) -> bool:
-    """Whether the engine says, per call, whether a layer runs in FP8 (Engine.counts_gemms)."""
+    """Whether the engine says, per call, whether a layer runs in FP8 (it has `runs_fp8`)."""
     return _engine(backend) is not None
 
 

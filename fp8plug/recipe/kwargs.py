@@ -27,13 +27,8 @@ from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: f
     AMAX_COMPUTE_ALGOS, DELAYED_CHECKS, DELAYED_DEFAULTS, DELAYED_FIELDS, DelayedScaling,
 )
 
-BACKEND_ALIASES = {
-    "msamp": "msamp", "ms-amp": "msamp", "ms_amp": "msamp",
-    "te": "te", "transformer_engine": "te", "transformer-engine": "te", "transformerengine": "te",
-    "ao": "ao", "torchao": "ao",
-    "native": "native",
-}
-BACKENDS = ("msamp", "te", "ao", "native")
+from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
+
 FP8_FORMATS = ("HYBRID", "E4M3")
 OPT_LEVELS = ("O1", "O2", "O3")  # MS-AMP's levels; which of them the msamp engine drives is its own rule
 OPTIMIZER_STATES = ("fp8", "8bit", "4bit")  # fp8plug.integrations.optim: torchao low-bit Adam/AdamW states
@@ -64,9 +59,8 @@ APPLIES_TO = {
     "ao_config": "torchao (backend='ao')",
 }
 
-
 def normalize_backend(value, label: str = "FP8RecipeKwargs.backend") -> Optional[str]:
-    """Canonical backend name ("msamp", "te", "ao", "native") from any spelling and case."""
+    """Canonical backend name (one of BACKENDS) from any spelling (BACKEND_ALIASES) and case."""
     if value is None:
         return None
     key = str(value).strip().lower()
@@ -90,7 +84,9 @@ class FP8RecipeKwargs(KwargsHandler):
     again from the environment and the defaults.
 
     Args:
-        backend: "msamp", "te", "ao" or "native" (any case); None picks by availability.
+        backend: an engine's name, one of fp8plug.recipe.engines.BACKENDS or another spelling
+            there (any case); None chooses automatically (fp8plug.backends.select_backend;
+            `fp8plug env` says in which order, and what it chooses here).
         use_autocast_during_eval: FP8 in eval mode too (default False).
         opt_level: MS-AMP's optimisation level, "O1" or "O2" (default).
         margin, interval, amax_history_len, amax_compute_algo, reduce_amax: delayed scaling's

@@ -2,7 +2,7 @@
 
 FP8 halves GEMM time but adds casts whose cost grows with M*K + K*N + M*N, not M*K*N, plus a fixed
 cost per layer, so a layer with a small K or N can be slower in FP8. A roofline-style cost model
-(`predict_ms`), fitted to `fp8plug bench --shapes sweep` times (fp8plug.tuning.roofline_fit; `SM90`,
+(`predict_ms`; each engine's constants in its row, fp8plug.recipe.engines), fitted to `fp8plug bench --shapes sweep` times (fp8plug.tuning.roofline_fit; `SM90`,
 fitted on an H200, serves H100 and H200), predicts each Linear's speed-up, and the filter keeps a
 layer in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP). On by default on those
 GPUs (`FP8RecipeKwargs.auto_filter`); `explain` and `make_module_filter` use it by hand (docs/recipe.md).
@@ -10,59 +10,35 @@ GPUs (`FP8RecipeKwargs.auto_filter`); `explain` and `make_module_filter` use it 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
+from fp8plug.recipe.engines import ENGINES, H200_CALIBRATION, SM90 as _SM90, Costs
 from fp8plug.recipe.kwargs import normalize_backend
 
 BF16_KEY = "bf16"
 # Bytes moved per element of each cast tensor (input, weight, grad_output) in FP8: read bf16 for the
 # amax (2), read bf16 again to cast (2), write the FP8 copy and its transposed copy (1 + 1).
 CAST_BYTES_PER_ELEMENT = 6
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The achieved (not datasheet) speed of one kernel family on one device.
-
-    peak_tflops: dense GEMM throughput reached on large shapes.
-    bandwidth_gbs: memory bandwidth reached by memory-bound GEMMs and the FP8 casts.
-    overhead_us: fixed cost of one Linear forward+backward (launches, autograd, scale bookkeeping).
-    note: where the numbers come from ("calibrated on ...").
-    """
-
-    peak_tflops: float
-    bandwidth_gbs: float
-    overhead_us: float
-    note: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "Costs":
-        return cls(float(data["peak_tflops"]), float(data["bandwidth_gbs"]), float(data["overhead_us"]),
-                   str(data.get("note", "")))
-
-
-_H200 = ("calibrated on one H200 (torch 2.11, TE 2.20.2, torchao 0.18), fp8plug bench --shapes sweep, "
-         "queued timing, 20 shapes; rms relative error {err}; docs/results/h200/bench_sweep_queued*.json")
-# Measured, not guessed: fitted by roofline_fit.calibrate() to docs/results/h200/bench_sweep_queued.json (bf16,
-# native and ao compiled) and bench_sweep_queued_te_eager.json (te; TE runs outside torch.compile).
-# Used for every compute capability 9.0 GPU: H100 and H200 share the tensor cores. Not checked on an
-# H100 (none was free); its lower memory bandwidth slows bf16's memory-bound work and FP8's casts
-# alike, and the filter's 15% margin (AUTO_MIN_SPEEDUP) absorbs the rest.
-SM90: Dict[str, Costs] = {
-    BF16_KEY: Costs(peak_tflops=778.0, bandwidth_gbs=3564.0, overhead_us=12.3, note=_H200.format(err="2.9%")),
-    "native": Costs(peak_tflops=1400.0, bandwidth_gbs=3150.0, overhead_us=62.3, note=_H200.format(err="4.5%")),
-    "ao": Costs(peak_tflops=1453.0, bandwidth_gbs=2483.0, overhead_us=37.7, note=_H200.format(err="3.7%")),
-    "te": Costs(peak_tflops=1493.0, bandwidth_gbs=4280.0, overhead_us=43.4, note=_H200.format(err="5.2%")),
+# bf16's costs by compute capability, measured beside the engines' (their rows hold theirs)
+BF16_COSTS: Dict[Tuple[int, int], Costs] = {
+    _SM90: Costs(peak_tflops=778.0, bandwidth_gbs=3564.0, overhead_us=12.3, note=H200_CALIBRATION.format(err="2.9%")),
 }
-# each engine's default scaling (native delayed, ao tensorwise, te delayed) is what was measured
-SM90.update({"native:delayed": SM90["native"], "ao:tensorwise": SM90["ao"], "te:delayed": SM90["te"]})
-CALIBRATED: Dict[Tuple[int, int], Dict[str, Costs]] = {(9, 0): SM90}
+
+
+def _calibrated(capability: Tuple[int, int]) -> Dict[str, Costs]:
+    """bf16's and every engine's costs on `capability`, each engine under its name and under
+    "name:scaling" for the scaling they were measured with (its default)."""
+    table = {BF16_KEY: BF16_COSTS[capability]}
+    for row in ENGINES.values():
+        if capability in row.costs:
+            table[row.name] = table[f"{row.name}:{row.costs_scaling}"] = row.costs[capability]
+    return table
+
+
+CALIBRATED: Dict[Tuple[int, int], Dict[str, Costs]] = {capability: _calibrated(capability) for capability in BF16_COSTS}
+SM90 = CALIBRATED[_SM90]  # fitted on an H200, used on H100 and H200 alike (fp8plug.recipe.engines)
 DEFAULT_TOKENS = 8192  # tokens per GPU per step the automatic filter assumes (e.g. 4 x 2048)
 # The automatic filter keeps a Linear in bf16 only if FP8 is predicted at least 15% slower. The
 # constants come from Linears timed alone; inside a compiled block the casts fuse with their
@@ -197,7 +173,7 @@ def make_module_filter(
     """
     backend = normalize_backend(backend)
     if backend is None:
-        raise ValueError("make_module_filter: name the engine (native, ao, te or msamp); the model is per engine.")
+        raise ValueError(f"make_module_filter: name the engine ({', '.join(ENGINES)}); the model is per engine.")
     _check_tokens(tokens, "make_module_filter")
     if not min_speedup > 0:
         raise ValueError(f"make_module_filter: min_speedup must be > 0, got {min_speedup!r}.")
@@ -227,7 +203,8 @@ def auto_filter(recipe, backend: str, device) -> Optional[SpeedFilter]:
             raise ValueError(
                 f"FP8RecipeKwargs.auto_filter: no calibrated cost model for engine {backend!r}"
                 f"{f' scaling {scaling!r}' if scaling else ''} on {where} (fp8plug has one for compute "
-                "capability 9.0: native, ao, te at their default scalings). Set auto_filter=False and pass "
+                f"capability 9.0: {', '.join(n for n, row in ENGINES.items() if _SM90 in row.costs)} at their "
+                "default scalings). Set auto_filter=False and pass "
                 "module_filter_fn=fp8plug.tuning.roofline.make_module_filter(...) with constants from "
                 "fp8plug.tuning.roofline_fit.calibrate()."
             )

@@ -153,8 +153,8 @@ class CloningNative(NativeEngine):
     """Native, but conversion makes new Parameter objects (as TransformerEngine does): tests that
     prepare() moves the optimizer to them. Not a claim about any real engine."""
 
-    def convert(self, model, recipe):
-        report = super().convert(model, recipe)
+    def convert(self, model, recipe, linear=True, norm=True):
+        report = super().convert(model, recipe, linear, norm)
         for module in model.modules():
             if isinstance(module, NativeFP8Linear):
                 module.weight = nn.Parameter(module.weight.detach().clone())

@@ -22,6 +22,7 @@ from fp8plug.backends import judge
 from fp8plug.backends.msamp.engine import MSAMPEngine, is_scaling_tensor
 from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe.plans import make_plan
 
 FAKES = Path(__file__).resolve().parents[2] / "support" / "fakes"
 
@@ -200,7 +201,7 @@ def test_prepare_needs_the_optimizer(msamp, engine):
 def test_o3_is_deepspeed_only(msamp, engine):
     assert FP8RecipeKwargs(opt_level="o3").opt_level == "O3"  # an MS-AMP level; the engine decides
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.opt_level: 'O3'.*DeepSpeed"):
-        engine.check_recipe(FP8RecipeKwargs(backend="msamp", opt_level="O3"))
+        make_plan(engine, FP8RecipeKwargs(backend="msamp", opt_level="O3"))
     recipe = _recipe()
     recipe.opt_level = "O3"
     model, optimizer = _pair()
@@ -362,7 +363,7 @@ def test_accelerator_prepare_drives_msamp(msamp, monkeypatch):
     ({"opt_level": "O3"}, r"FP8RecipeKwargs\.opt_level: 'O3'.*DeepSpeed"),
 ])
 def test_accelerator_refuses_what_msamp_cannot_do_before_prepare(msamp, monkeypatch, fields, match):
-    """MS-AMP's refusals live in the engine (check_recipe); fp8plug.Accelerator asks at construction,
+    """MS-AMP's refusals live in the engine (its make_plan); fp8plug.Accelerator asks at construction,
     before any model or optimizer is touched."""
     import fp8plug
 

@@ -17,6 +17,7 @@ import torch
 from fp8plug.backends import get_backend
 from fp8plug.integrations.optim import convert_optimizer, optimizer_states_of, state_bytes
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe.plans import make_plan
 from tests.support.models import DecoderConfig, TinyDecoder, synthetic_batches
 from tests.support.training import tail_mean, train
 
@@ -54,7 +55,7 @@ def test_field_rejects_bad_values():
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.optimizer_states: '2bit'.*fp8, 8bit, 4bit"):
         recipe("2bit")
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs\.optimizer_states.*msamp"):
-        get_backend("msamp").check_recipe(FP8RecipeKwargs(backend="msamp", optimizer_states="fp8"))
+        make_plan(get_backend("msamp"), FP8RecipeKwargs(backend="msamp", optimizer_states="fp8"))
 
 
 # --- what is replaced, and what is not ------------------------------------------------------------------

@@ -3,6 +3,7 @@ reported (not raised), explicit requests that cannot run, and the reasons kept f
 
 Stand-in packages here only exercise fp8plug's own selection and error logic."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import pytest
 import fp8plug
 from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
 from fp8plug.backends.base import Probe, probe_import
+from fp8plug.recipe.engines import ENGINES
 from fp8plug.tuning.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
@@ -81,10 +83,15 @@ def available(monkeypatch, *names):
         monkeypatch.setattr(get_backend(name), "probe", lambda probe=probe: probe)
 
 
+def measured(monkeypatch, name, figures):
+    """For one test, the engine's row says it was measured at `figures`."""
+    monkeypatch.setitem(ENGINES, name, dataclasses.replace(ENGINES[name], measured=figures))
+
+
 def unmeasured(monkeypatch):
     """No engine has a measured speed: on an FP8 GPU the automatic choice is then the order alone."""
     for name in ("msamp", "te", "ao", "native"):
-        monkeypatch.setattr(get_backend(name), "measured", {})
+        measured(monkeypatch, name, {})
 
 
 @pytest.mark.parametrize("present,device,expected", [
@@ -160,13 +167,13 @@ def _h100():
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_ranked_choice_takes_the_fastest_measured_usable_engine(compiled):
-    from fp8plug.backends import _engine, select_backend
+    from fp8plug.backends import select_backend
 
     selection = select_backend(None, _h100(), compiled=compiled)
     usable = [n for n, v in selection.verdicts.items() if v.usable]
     mode = "compiled" if compiled else "eager"
     assert selection.mode == mode
-    best = max(_engine(n).measured[mode].speedup for n in usable if mode in _engine(n).measured)
+    best = max(ENGINES[n].measured[mode].speedup for n in usable if mode in ENGINES[n].measured)
     assert selection.speed.speedup >= best * 0.99
     assert f"fastest measured for {'a compiled' if compiled else 'an eager'} model" in selection.explain()
 
@@ -190,13 +197,13 @@ def test_ranked_choice_gives_the_measured_settings_only_where_the_user_set_none(
 
 def test_ties_within_one_percent_and_unmeasured_engines_keep_the_automatic_order(monkeypatch):
     from fp8plug import backends
-    from fp8plug.backends.base import Speed
+    from fp8plug.recipe.engines import Speed
 
-    monkeypatch.setattr(backends._engine("ao"), "measured", {"compiled": Speed(1.30)})
-    monkeypatch.setattr(backends._engine("native"), "measured", {"compiled": Speed(1.31, "dynamic")})
-    monkeypatch.setattr(backends._engine("te"), "measured", {"compiled": Speed(1.10)})
+    measured(monkeypatch, "ao", {"compiled": Speed(1.30)})
+    measured(monkeypatch, "native", {"compiled": Speed(1.31, "dynamic")})
+    measured(monkeypatch, "te", {"compiled": Speed(1.10)})
     assert backends._fastest_first(["msamp", "te", "ao", "native"], "compiled") == ["ao", "native", "te", "msamp"]
-    monkeypatch.setattr(backends._engine("ao"), "measured", {"compiled": Speed(1.20)})
+    measured(monkeypatch, "ao", {"compiled": Speed(1.20)})
     assert backends._fastest_first(["msamp", "te", "ao", "native"], "compiled") == ["native", "ao", "te", "msamp"]
 
 
@@ -215,12 +222,11 @@ def test_without_a_known_mode_the_choice_is_the_engine_fast_both_ways(monkeypatc
     engine whose slower mode is closest to that mode's fastest engine."""
     from fp8plug import FP8RecipeKwargs
     from fp8plug import backends
-    from fp8plug.backends.base import Speed
+    from fp8plug.recipe.engines import Speed
 
-    monkeypatch.setattr(backends._engine("te"), "measured", {"compiled": Speed(1.125), "eager": Speed(1.05)})
-    monkeypatch.setattr(backends._engine("native"), "measured",
-                        {"compiled": Speed(1.30, "dynamic"), "eager": Speed(1.03, "dynamic")})
-    monkeypatch.setattr(backends._engine("ao"), "measured", {"compiled": Speed(1.29)})  # no eager figure
+    measured(monkeypatch, "te", {"compiled": Speed(1.125), "eager": Speed(1.05)})
+    measured(monkeypatch, "native", {"compiled": Speed(1.30, "dynamic"), "eager": Speed(1.03, "dynamic")})
+    measured(monkeypatch, "ao", {"compiled": Speed(1.29)})  # no eager figure
     scores = backends._scores(["te", "ao", "native"], "any")
     assert scores["te"] == pytest.approx(1.125 / 1.30) and scores["native"] == pytest.approx(1.03 / 1.05)
     assert scores["ao"] is None
@@ -231,13 +237,11 @@ def test_without_a_known_mode_the_choice_is_the_engine_fast_both_ways(monkeypatc
         assert "however the model is held" in selection.summary()
         assert "eager: 1.03x" in selection.explain() and "compiled: 1.30x" in selection.explain()
     # modes measured with different scalings: the engine's own default, not one mode's setting
-    monkeypatch.setattr(backends._engine("native"), "measured",
-                        {"compiled": Speed(1.30, "dynamic"), "eager": Speed(1.03, "delayed")})
-    assert backends._speed(backends._engine("native"), "any").scaling is None
+    measured(monkeypatch, "native", {"compiled": Speed(1.30, "dynamic"), "eager": Speed(1.03, "delayed")})
+    assert backends._speed("native", "any").scaling is None
     assert backends.select_backend(None, _h100()).mode == "any"
     # more than 2% slower eagerly than the best eager engine: the summary says what it costs and the fix
-    monkeypatch.setattr(backends._engine("native"), "measured",
-                        {"compiled": Speed(1.30, "dynamic"), "eager": Speed(0.95, "dynamic")})
+    measured(monkeypatch, "native", {"compiled": Speed(1.30, "dynamic"), "eager": Speed(0.95, "dynamic")})
     selection = backends._ranked_choice(backends.Selection(None, _h100(), None), "any")
     if selection.name == "native":
         assert "10% slower than te" in selection.summary() and "backend='te'" in selection.summary()

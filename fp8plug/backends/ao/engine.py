@@ -43,7 +43,7 @@ from fp8plug.backends.ao.config import (
     needs_emulation,
     scaling_of,
 )
-from fp8plug.backends.base import Engine, Probe, Speed, probe_import
+from fp8plug.backends.base import Engine, Probe, probe_import
 from fp8plug.backends.padding import pad_tokens, token_count
 from fp8plug.backends.region import fp8_now, fp8_region
 
@@ -171,11 +171,9 @@ class AOEngine(Engine):
     install_hint = "pip install torchao"
     runs_on_cpu = True
     scalings = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-    counts_gemms = True
     honours = frozenset({"fp8_format", "override_linear_precision", "pad_inner_dim", "enable_fsdp_float8_all_gather",
                          "ao_config", "use_autocast_during_eval"})
     plan_class = AOPlan
-    measured = {"compiled": Speed(1.29), "eager": Speed(0.44)}
 
     def probe(self) -> Probe:
         return probe_import("torchao.float8", lambda m: __import__("torchao").__version__)
@@ -270,9 +268,12 @@ class AOEngine(Engine):
         return config
 
     # conversion ------------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, plan) -> ConversionReport:
-        """Convert `model` in place with the torchao config `plan` says (a Float8LinearConfig, or an
-        MXFP8 training config: fp8plug.backends.ao.config.mx_training_config), under the shared rules."""
+    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """Convert `model`'s Linear layers (where `linear`; torchao has no norms) in place with the
+        torchao config `plan` says (a Float8LinearConfig, or an MXFP8 training config:
+        fp8plug.backends.ao.config.mx_training_config), under the shared rules."""
+        if not linear:
+            return ConversionReport(self.name)
         self.require()
         plan = self.plan_of(plan)
         config = self.float8_config(plan)

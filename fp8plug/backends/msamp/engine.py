@@ -25,15 +25,18 @@ from fp8plug.layers.rules import (
     replace_module,
 )
 from fp8plug.tuning.hardware import DeviceInfo
+from fp8plug.recipe.engines import BACKENDS, listed
 from fp8plug.recipe.plans import Plan, Settings
 from fp8plug.recipe.kwargs import DEFAULTS, OPT_LEVELS
 from fp8plug.backends.base import Engine, Probe, probe_import
+
+OTHER_ENGINES = listed(name for name in BACKENDS if name != "msamp")  # what to use instead
 
 CANNOT_INSTALL = (
     "MS-AMP as released does not install on current stacks: it is source-only, pins torch 2.1, "
     "TransformerEngine 1.1 and DeepSpeed 0.13.1, has been unmaintained upstream since 2024 and is "
     "deprecated by Accelerate. fp8plug's scripts/build_msamp_kit.sh builds it for torch 2.11 / CUDA 13 "
-    "(docs/msamp.md); otherwise use backend 'te', 'ao' or 'native' (with "
+    f"(docs/msamp.md); otherwise use backend {OTHER_ENGINES} (with "
     "FP8RecipeKwargs.optimizer_states for low-precision optimizer states)"
 )
 SKIP_MARK = "use_fp32_linear"  # MS-AMP's LinearReplacer leaves a Linear carrying this as True
@@ -72,8 +75,6 @@ class MSAMPEngine(Engine):
         "https://github.com/Azure/MS-AMP inside a torch 2.1 container (NGC pytorch:23.10)"
     )
     scalings = ("delayed",)  # MS-AMP's own amax windows; not configurable through the recipe
-    adapts_optimizer = True  # msamp.initialize(model, optimizer) converts the pair together
-    clips_gradients = True  # ScalingTensor gradients need msamp.clip_grad_norm_
 
     # availability -----------------------------------------------------------------------------
     def probe(self) -> Probe:
@@ -116,11 +117,14 @@ class MSAMPEngine(Engine):
         return "MS-AMP has no such setting (its scaling is its own)"
 
     # conversion ---------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, plan) -> ConversionReport:
-        """Plan MS-AMP's conversion without doing it: MS-AMP converts inside msamp.initialize, which
-        needs the optimizer too (see prepare). The report lists the Linears it will turn into FP8
-        under the shared rules; each Linear the rules leave alone is marked `use_fp32_linear`, so
-        MS-AMP leaves it alone too. Calling it again re-plans (marks are recomputed)."""
+    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """Plan MS-AMP's conversion of the Linear layers (where `linear`; MS-AMP has no norms)
+        without doing it: MS-AMP converts inside msamp.initialize, which needs the optimizer too
+        (see prepare). The report lists the Linears it will turn into FP8 under the shared rules;
+        each Linear the rules leave alone is marked `use_fp32_linear`, so MS-AMP leaves it alone
+        too. Calling it again re-plans (marks are recomputed)."""
+        if not linear:
+            return ConversionReport(self.name)
         plan = self.plan_of(plan)
         _clear_our_marks(model)
         targets, report = plan_conversion(
@@ -172,7 +176,7 @@ class MSAMPEngine(Engine):
         return (
             "MS-AMP runs under DeepSpeed only through its own integration (msamp.deepspeed.initialize "
             "with an \"msamp\" section in the DeepSpeed config, for MS-AMP's pinned DeepSpeed 0.13.1), "
-            "not the stock deepspeed.initialize accelerate calls; use backend 'te', 'ao' or 'native' "
+            f"not the stock deepspeed.initialize accelerate calls; use backend {OTHER_ENGINES} "
             "under DeepSpeed, or accelerate's own MS-AMP path."
         )
 

@@ -42,7 +42,7 @@ from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step upda
     track_for_sync,
     untrack_for_sync,
 )
-from fp8plug.backends.base import Engine, Probe, Speed
+from fp8plug.backends.base import Engine, Probe
 from fp8plug.backends.padding import pad_tokens, token_count
 from fp8plug.backends.region import fp8_now, fp8_region
 
@@ -343,16 +343,9 @@ class NativeEngine(Engine):
     install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
-    counts_gemms = True
     honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
     honours_by_scaling = {"delayed": frozenset(DELAYED_FIELDS)}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
-    # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled
-    # (docs/performance.md): compiled 1.45x, dynamic tying delayed and reaching its first step
-    # sooner; eager 1.22x (1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x bf16 eager
-    # in the same run), dynamic, whose casts of a shared input are made once and take the fused
-    # norms' amax, which delayed scaling's per-layer scales cannot
-    measured = {"compiled": Speed(1.45, "dynamic"), "eager": Speed(1.22, "dynamic")}
 
     def probe(self) -> Probe:
         if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
@@ -373,18 +366,9 @@ class NativeEngine(Engine):
         return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
 
-    def convert(self, model: nn.Module, plan) -> ConversionReport:
-        """Linear layers and transformers' Llama-style RMSNorms, whose fused kernels hand their
-        output's amax to the cast of the layers reading it (backends.native.fused_norm)."""
-        return self._convert(model, plan)
-
-    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """`convert`, limited to Linear layers (`linear`) and the norms (`norm`)."""
-        if linear and norm:
-            return self.convert(model, plan)
-        return self._convert(model, plan, linear, norm)
-
-    def _convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
+        kernels hand their output's amax to the cast of the layers reading it (backends._fused_norm)."""
         plan = self.plan_of(plan)
         options = plan.layer_options()
         norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()

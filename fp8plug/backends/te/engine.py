@@ -50,7 +50,7 @@ from fp8plug.backends.te.recipes import (
     te_recipe_spec,
     warn_once,
 )
-from fp8plug.backends.base import Engine, Probe, Speed, probe_import
+from fp8plug.backends.base import Engine, Probe, probe_import
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the recipe fields that go into a TE recipe object (delayed scaling reads them all)
@@ -113,7 +113,6 @@ class TEEngine(Engine):
     title = "TransformerEngine"
     install_hint = 'pip install --no-build-isolation "transformer_engine[pytorch]"'
     scalings = ("delayed", "current", "block", "mxfp8", "nvfp4")
-    counts_gemms = True
     honours = frozenset({"override_linear_precision", "use_autocast_during_eval"})
     honours_by_scaling = {
         "delayed": SCALING_FIELDS,
@@ -123,9 +122,6 @@ class TEEngine(Engine):
         "nvfp4": frozenset(),  # E2M1 values with E4M3 block scales, whatever the format
     }
     plan_class = TEPlan
-    # against bf16 compiled on the benchmark Llama (4 x d4096, H100): eager 1.07x, i.e. 1.27x bf16 eager
-    # (docs/performance.md)
-    measured = {"compiled": Speed(1.17), "eager": Speed(1.07)}
 
     def __init__(self):
         self._recipes: Dict[Any, Any] = {}
@@ -285,9 +281,10 @@ class TEEngine(Engine):
                 eligible[nn.RMSNorm] = rms_norm
         return eligible
 
-    def convert(self, model: nn.Module, plan=None, convert_linear: bool = True, convert_norm: bool = True) -> ConversionReport:
-        """Swap eligible Linear / LayerNorm / RMSNorm modules for TE's, in place, sharing their
-        parameters. Builds the TE recipe first, so a recipe this TE cannot build fails here."""
+    def convert(self, model: nn.Module, plan=None, linear: bool = True, norm: bool = True) -> ConversionReport:
+        """Swap eligible Linear (`linear`) and LayerNorm / RMSNorm (`norm`) modules for TE's, in
+        place, sharing their parameters. Builds the TE recipe first, so a recipe this TE cannot
+        build fails here."""
         te = self.require()
         plan = self.plan_of(plan)
         if plan.given is not None:
@@ -297,10 +294,10 @@ class TEEngine(Engine):
             if torch.cuda.is_available():
                 self.te_recipe(plan)  # refuse a recipe this TE cannot build, before touching the model
         targets, report = plan_conversion(
-            model, self.name, self.eligibility(scaling, convert_linear, convert_norm), self.is_converted,
+            model, self.name, self.eligibility(scaling, linear, norm), self.is_converted,
             plan.modules_to_ignore, plan.module_filter_fn,
         )
-        linear_cls = te_linear_class() if convert_linear else None
+        linear_cls = te_linear_class() if linear else None
 
         def build(module: nn.Module) -> nn.Module:
             with _keep_rng(module.weight.device):
@@ -325,10 +322,6 @@ class TEEngine(Engine):
             return new
 
         return swap_modules(model, targets, build, report)
-
-    def convert_layers(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """TE converts norms too: `convert` with convert_linear=`linear`, convert_norm=`norm`."""
-        return self.convert(model, plan, convert_linear=linear, convert_norm=norm)
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap TE Linear / LayerNorm / RMSNorm modules back for torch ones sharing their
