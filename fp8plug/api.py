@@ -8,16 +8,16 @@ from typing import Optional
 
 from torch import nn
 
-from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
 from fp8plug.backends import Selection, get_backend, judge, select_backend
 from fp8plug.backends.base import Engine
-from fp8plug.layers.rules import ConversionError, ConversionReport
-from fp8plug.coverage import describe_engine, is_main_process, log_conversion, logger
-from fp8plug.hf.fp8_attention import use_fp8_attention
-from fp8plug.tuning.hardware import DeviceInfo, device_info
-from fp8plug.recipe.plans import Plan, make_plan
-from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
 from fp8plug.backends.steps import end_step
+from fp8plug.coverage import describe_engine, is_main_process, log_conversion, logger
+from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
+from fp8plug.hf.fp8_attention import use_fp8_attention
+from fp8plug.layers.rules import ConversionError, ConversionReport
+from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
+from fp8plug.recipe.plans import Plan, make_plan
+from fp8plug.tuning.hardware import DeviceInfo, device_info
 
 
 def convert_model(

@@ -17,8 +17,8 @@ from torch import nn
 from fp8plug.api import loaded_engines
 from fp8plug.backends import get_backend, select_backend
 from fp8plug.backends.base import Engine, offers
-from fp8plug.recipe.plans import Plan, make_plan
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe.plans import Plan, make_plan
 
 _MARK = "_fp8plug_autocast"
 
@@ -110,7 +110,8 @@ def _unbound_signature(original) -> Optional[inspect.Signature]:
     return signature.replace(parameters=[module, *signature.parameters.values()])
 
 
-def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeKwargs] = None, backend=None) -> nn.Module:
+def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Optional[FP8RecipeKwargs] = None,
+                       backend=None) -> nn.Module:
     """Make `model.forward` context-aware FP8 (see contextual_fp8_autocast), in place; applying it
     twice leaves one wrapper. Eval runs in FP8 only if the handler's use_autocast_during_eval.
     The handler may also be the plan of the engine `backend` is (the Accelerator passes its own)."""

@@ -9,16 +9,16 @@ live in backends/base.py).
 
 from __future__ import annotations
 
-import importlib
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from fp8plug.backends.base import BackendUnavailableError, Engine, Probe, offers
 from fp8plug.layers import gemm_counts
-from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.recipe.engines import ENGINES, MEASURED_ON, Speed
 from fp8plug.recipe.kwargs import BACKENDS, normalize_backend
-from fp8plug.backends.base import Engine, BackendUnavailableError, Probe, offers
+from fp8plug.tuning.hardware import DeviceInfo, device_info
 
 _INSTANCES: Dict[str, Engine] = {}
 _A = {"compiled": "a compiled", "eager": "an eager"}

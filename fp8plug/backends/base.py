@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from fp8plug.layers.rules import ConversionReport
-from fp8plug.tuning.hardware import DeviceInfo
-from fp8plug.recipe.plans import Plan, Settings, default_acts_as, default_why, make_plan
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe.plans import Plan, Settings, default_acts_as, default_why, make_plan
+from fp8plug.tuning.hardware import DeviceInfo
 
 
 class BackendUnavailableError(RuntimeError):

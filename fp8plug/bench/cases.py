@@ -120,9 +120,9 @@ def linear_case(spec: EngineSpec, shape: Shape, mode: str, device: torch.device)
     if spec.backend is not None:
         from fp8plug.backends import get_backend
         from fp8plug.backends.base import offers
-        from fp8plug.recipe.plans import make_plan
-        from fp8plug.recipe.kwargs import FP8RecipeKwargs
         from fp8plug.backends.steps import end_step
+        from fp8plug.recipe.kwargs import FP8RecipeKwargs
+        from fp8plug.recipe.plans import make_plan
 
         engine = get_backend(spec.backend)
         plan = make_plan(engine, FP8RecipeKwargs(backend=spec.backend, scaling=spec.scaling), device)

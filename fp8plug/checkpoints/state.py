@@ -22,8 +22,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Set, Union
 import torch
 from torch import nn
 
-from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
 from fp8plug.backends.base import Engine, offers
+from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
 
 _HOOKED = "_fp8plug_plain_state_dict"
 logger = logging.getLogger("fp8plug")

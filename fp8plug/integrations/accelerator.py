@@ -30,22 +30,30 @@ import accelerate.utils
 import torch
 from torch import nn
 
+from fp8plug._upstream import (  # noqa: F401  (storage_view: public here)
+    AcceleratorInternals,
+    FP8EngineName,
+    is_prepared,
+    prepared_models,
+    prepared_optimizers,
+    restore_forward,
+    shared_precision,
+    storage_view,
+)
 from fp8plug.api import check_converted_like, convert_with_plan, loaded_engines
 from fp8plug.autocast import apply_fp8_autowrap
 from fp8plug.backends import select_backend
 from fp8plug.backends.base import Engine, offers
-from fp8plug.checkpoints.state import FP8CheckpointState, install_plain_state_dict
-from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
-from fp8plug.coverage import fp8_coverage, is_main_process, logger
-from fp8plug.integrations.cpu_processes import join_cpu_processes
-from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.checkpoints import resume
-from fp8plug._upstream import FP8EngineName, AcceleratorInternals, is_prepared, prepared_models, prepared_optimizers
-from fp8plug._upstream import restore_forward, shared_precision, storage_view  # noqa: F401  (storage_view: public here)
+from fp8plug.checkpoints.state import FP8CheckpointState, install_plain_state_dict
+from fp8plug.coverage import fp8_coverage, is_main_process, logger
+from fp8plug.integrations import deepspeed_zero as ds
+from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
-from fp8plug.recipe.plans import Plan, make_plan
+from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
 from fp8plug.recipe.engines import BACKENDS, listed
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
+from fp8plug.recipe.plans import Plan, make_plan
 
 # accelerate's own FP8 handler classes (which exist depends on its version)
 _ACCELERATE_FP8_HANDLERS = tuple(
@@ -121,7 +129,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         self.fp8_plan: Optional[Plan] = None
         self.fp8_reports: List[ConversionReport] = []
         self._fp8_models: List[nn.Module] = []
-        # the converted models' FP8 scaling state: save_state writes it (fp8plug.checkpoints.resume); Trainer checkpoints too
+        # the converted models' FP8 scaling state: save_state writes it (fp8plug.checkpoints.resume);
+        # Trainer checkpoints too
         self.fp8_checkpoint_state: Optional[FP8CheckpointState] = None
         if fp8_on:
             # compiled: known only with a dynamo backend; otherwise the user may still compile the
@@ -308,7 +317,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         results = [fp8_coverage(model, reset=reset) for model in self._fp8_models]
         if len(results) == 1:
             return results[0]
-        layers = {f"model{i}.{fqn}": counts for i, result in enumerate(results) for fqn, counts in result["layers"].items()}
+        layers = {f"model{i}.{fqn}": counts
+                  for i, result in enumerate(results) for fqn, counts in result["layers"].items()}
         return {
             "fp8_gemms": sum(r["fp8_gemms"] for r in results),
             "high_precision_gemms": sum(r["high_precision_gemms"] for r in results),

@@ -22,12 +22,15 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
         """Stand-in for accelerate.utils.KwargsHandler where accelerate is not installed."""
 
 from fp8plug.recipe.checks import Integer, OneOf, parse_bool  # noqa: E402
+from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
 from fp8plug.recipe.environment import from_environment  # noqa: E402
 from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: for importers of this module)
-    AMAX_COMPUTE_ALGOS, DELAYED_CHECKS, DELAYED_DEFAULTS, DELAYED_FIELDS, DelayedScaling,
+    AMAX_COMPUTE_ALGOS,
+    DELAYED_CHECKS,
+    DELAYED_DEFAULTS,
+    DELAYED_FIELDS,
+    DelayedScaling,
 )
-
-from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
 
 FP8_FORMATS = ("HYBRID", "E4M3")
 OPT_LEVELS = ("O1", "O2", "O3")  # MS-AMP's levels; which of them the msamp engine drives is its own rule

@@ -2,8 +2,9 @@
 
 FP8 halves GEMM time but adds casts whose cost grows with M*K + K*N + M*N, not M*K*N, plus a fixed
 cost per layer, so a layer with a small K or N can be slower in FP8. A roofline-style cost model
-(`predict_ms`; each engine's constants in its row, fp8plug.recipe.engines), fitted to `fp8plug bench --shapes sweep` times (fp8plug.tuning.roofline_fit; `SM90`,
-fitted on an H200, serves H100 and H200), predicts each Linear's speed-up, and the filter keeps a
+(`predict_ms`; each engine's constants in its row, fp8plug.recipe.engines), fitted to
+`fp8plug bench --shapes sweep` times (fp8plug.tuning.roofline_fit; `SM90`, fitted on an H200,
+serves H100 and H200), predicts each Linear's speed-up, and the filter keeps a
 layer in bf16 where FP8 is predicted at least 15% slower (AUTO_MIN_SPEEDUP). On by default on those
 GPUs (`FP8RecipeKwargs.auto_filter`); `explain` and `make_module_filter` use it by hand (docs/recipe.md).
 """
@@ -14,7 +15,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
-from fp8plug.recipe.engines import ENGINES, H200_CALIBRATION, SM90 as _SM90, Costs
+from fp8plug.recipe.engines import ENGINES, H200_CALIBRATION, Costs
+from fp8plug.recipe.engines import SM90 as _SM90
 from fp8plug.recipe.kwargs import normalize_backend
 
 BF16_KEY = "bf16"
@@ -167,7 +169,8 @@ def make_module_filter(
     cost model predicts FP8 at least `min_speedup` times faster than bf16 for `backend`.
 
     tokens: the token count M each Linear sees per step on one GPU (batch size x sequence length).
-    constants: name -> Costs, e.g. from fp8plug.tuning.roofline_fit.calibrate() on your GPU; missing names fall back to SM90
+    constants: name -> Costs, e.g. from fp8plug.tuning.roofline_fit.calibrate() on your GPU; missing
+    names fall back to SM90
     (measured on an H200). Modules other than nn.Linear are always accepted (the engine decides).
     The returned filter records its verdicts in `.decisions` (fqn -> predicted speed-up).
     """
@@ -209,7 +212,8 @@ def auto_filter(recipe, backend: str, device) -> Optional[SpeedFilter]:
                 "fp8plug.tuning.roofline_fit.calibrate()."
             )
         return None
-    tokens = _check_tokens(getattr(recipe, "auto_filter_tokens", None) or DEFAULT_TOKENS, "FP8RecipeKwargs.auto_filter_tokens")
+    tokens = _check_tokens(getattr(recipe, "auto_filter_tokens", None) or DEFAULT_TOKENS,
+                           "FP8RecipeKwargs.auto_filter_tokens")
     return SpeedFilter(backend, tokens, table[BF16_KEY], fp8, AUTO_MIN_SPEEDUP,
                        user_fn=getattr(recipe, "module_filter_fn", None), source="auto_filter")
 
@@ -241,6 +245,7 @@ def explain(model: nn.Module, backend: str, tokens: int, *, scaling: Optional[st
 
 
 __all__ = [
-    "AUTO_MIN_SPEEDUP", "CALIBRATED", "CAST_BYTES_PER_ELEMENT", "Costs", "DEFAULT_TOKENS", "SM90", "SpeedFilter", "auto_filter",
+    "AUTO_MIN_SPEEDUP", "CALIBRATED", "CAST_BYTES_PER_ELEMENT", "Costs", "DEFAULT_TOKENS", "SM90", "SpeedFilter",
+    "auto_filter",
     "explain", "linear_terms", "make_module_filter", "predict_ms", "predicted_speedup", "speedup", "with_auto_filter",
 ]

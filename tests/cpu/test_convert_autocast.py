@@ -5,7 +5,6 @@ from types import MethodType
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fp8plug

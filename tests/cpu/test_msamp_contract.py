@@ -20,9 +20,9 @@ from torch import nn
 
 from fp8plug.backends import judge
 from fp8plug.backends.msamp.engine import MSAMPEngine, is_scaling_tensor
-from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 from fp8plug.recipe.plans import make_plan
+from fp8plug.tuning.hardware import DeviceInfo
 
 FAKES = Path(__file__).resolve().parents[2] / "support" / "fakes"
 
@@ -260,7 +260,8 @@ def test_clip_grad_norm_uses_msamps(msamp, engine):
     model, optimizer = _pair()
     new_model, _ = engine.prepare(model, optimizer, _recipe())
     new_model.up.weight.grad = msamp.common.tensor.ScalingTensor(
-        torch.full((64, 32), 2.0, dtype=torch.float16), msamp.common.tensor.ScalingMeta(msamp.common.dtype.Dtypes.kfloat16)
+        torch.full((64, 32), 2.0, dtype=torch.float16),
+        msamp.common.tensor.ScalingMeta(msamp.common.dtype.Dtypes.kfloat16),
     )
     norm = engine.clip_grad_norm_(new_model.parameters(), 1.0)
     assert float(norm) == pytest.approx(2.0 * (64 * 32) ** 0.5)

@@ -16,9 +16,9 @@ import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
 from fp8plug.backends.base import Engine
-from fp8plug.tuning.hardware import DeviceInfo
-from fp8plug.recipe.plans import SHARED, Plan, Settings, make_plan
 from fp8plug.recipe.kwargs import BACKENDS, DEFAULTS, field_names
+from fp8plug.recipe.plans import SHARED, Plan, Settings, make_plan
+from fp8plug.tuning.hardware import DeviceInfo
 
 CPU = DeviceInfo("cpu", "cpu")
 BACKENDS_DIR = Path(fp8plug.__file__).resolve().parent / "backends"

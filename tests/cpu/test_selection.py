@@ -220,8 +220,7 @@ def test_without_a_known_mode_the_choice_is_the_engine_fast_both_ways(monkeypatc
     """A loop that compiles the model itself after prepare gives the Accelerator no warning; the
     eager favourite (TE, 14% behind when compiled) used to be chosen there. Unknown mode: the
     engine whose slower mode is closest to that mode's fastest engine."""
-    from fp8plug import FP8RecipeKwargs
-    from fp8plug import backends
+    from fp8plug import FP8RecipeKwargs, backends
     from fp8plug.recipe.engines import Speed
 
     measured(monkeypatch, "te", {"compiled": Speed(1.125), "eager": Speed(1.05)})
@@ -257,9 +256,9 @@ def test_an_eager_choice_slower_than_bf16_says_so():
 
 
 def test_accelerator_knows_whether_it_compiles():
-    import fp8plug
-
     from accelerate.state import AcceleratorState
+
+    import fp8plug
 
     eager = fp8plug.Accelerator(mixed_precision="fp8", cpu=True)
     assert eager._compiles_model() is False

@@ -15,13 +15,13 @@ from torch import nn
 
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import BackendUnavailableError, get_backend, select_backend
+from fp8plug.backends.base import Engine, offers
+from fp8plug.backends.te import engine as te_engine
 from fp8plug.backends.te import imports as te_import
 from fp8plug.backends.te import layers as te_layers
 from fp8plug.backends.te import recipes as te_recipes
-from fp8plug.backends.te import engine as te_engine
-from fp8plug.backends.base import Engine, offers
-from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.plans import make_plan
+from fp8plug.tuning.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
 CPU = DeviceInfo("cpu", "cpu")
@@ -101,8 +101,9 @@ def test_explicit_te_says_it_needs_a_gpu_on_a_cpu_and_gives_the_pip_command_on_a
     with pytest.raises(BackendUnavailableError, match=r"cannot run here: needs a CUDA GPU") as on_cpu:
         select_backend("te", device="cpu")
     assert "pip install" not in str(on_cpu.value)  # installing it would not help on a CPU
-    with pytest.raises(BackendUnavailableError, match=r"not installed; install it with `pip install --no-build-isolation "
-                                                      r"\"transformer_engine\[pytorch\]\"`"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"not installed; install it with `pip install --no-build-isolation "
+                             r"\"transformer_engine\[pytorch\]\"`"):
         select_backend("te", device=H100)
 
 

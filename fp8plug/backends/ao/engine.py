@@ -15,26 +15,12 @@ import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8plug.layers.rules import (
-    ALIGNMENT,
-    ConversionError,
-    ConversionReport,
-    linear_alignment_problem,
-    plain_linear,
-    plan_conversion,
-    module_paths,
-    record_converted,
-    replace_module,
-)
-from fp8plug.recipe.plans import Plan, Settings, ignored_message
-from fp8plug.recipe.scalings import DELAYED_FIELDS  # what only delayed scaling reads, which torchao lacks
-from fp8plug.backends.steps import track
 from fp8plug.backends.ao.config import (
     MX_BLOCK,
     build_float8_config,
@@ -46,6 +32,20 @@ from fp8plug.backends.ao.config import (
 from fp8plug.backends.base import Engine, Probe, probe_import
 from fp8plug.backends.padding import pad_tokens, token_count
 from fp8plug.backends.region import fp8_now, fp8_region
+from fp8plug.backends.steps import track
+from fp8plug.layers.rules import (
+    ALIGNMENT,
+    ConversionError,
+    ConversionReport,
+    linear_alignment_problem,
+    module_paths,
+    plain_linear,
+    plan_conversion,
+    record_converted,
+    replace_module,
+)
+from fp8plug.recipe.plans import Plan, Settings, ignored_message
+from fp8plug.recipe.scalings import DELAYED_FIELDS  # what only delayed scaling reads, which torchao lacks
 
 NO_OVERRIDE = (False, False, False)
 
@@ -409,7 +409,8 @@ def _plain_parameter(param: torch.Tensor, where: str) -> nn.Parameter:
 
 def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     """Why an nn.Linear cannot take MXFP8 GEMMs (blocks of 32 along K and N), or None."""
-    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % MX_BLOCK]
+    features = (("in_features", module.in_features), ("out_features", module.out_features))
+    bad = [f"{n}={v}" for n, v in features if v % MX_BLOCK]
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 

@@ -17,6 +17,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
+from fp8plug.backends.base import Engine, Probe, probe_import
 from fp8plug.layers.rules import (
     ConversionReport,
     check_convertible,
@@ -24,11 +25,10 @@ from fp8plug.layers.rules import (
     plan_conversion,
     replace_module,
 )
-from fp8plug.tuning.hardware import DeviceInfo
 from fp8plug.recipe.engines import BACKENDS, listed
-from fp8plug.recipe.plans import Plan, Settings
 from fp8plug.recipe.kwargs import DEFAULTS, OPT_LEVELS
-from fp8plug.backends.base import Engine, Probe, probe_import
+from fp8plug.recipe.plans import Plan, Settings
+from fp8plug.tuning.hardware import DeviceInfo
 
 OTHER_ENGINES = listed(name for name in BACKENDS if name != "msamp")  # what to use instead
 
@@ -83,11 +83,13 @@ class MSAMPEngine(Engine):
             return probe
         if probe.reason == "not installed":
             return Probe(False, reason=f"not installed. {CANNOT_INSTALL}")
-        return Probe(False, reason=f"{probe.reason} (MS-AMP needs torch 2.1, TransformerEngine 1.1 and DeepSpeed 0.13.1)")
+        return Probe(False, reason=f"{probe.reason} (MS-AMP needs torch 2.1, TransformerEngine 1.1 and "
+                                   "DeepSpeed 0.13.1)")
 
     def supports(self, device: DeviceInfo) -> Tuple[bool, str]:
         if device.type != "cuda":
-            return False, f"MS-AMP runs only on CUDA GPUs (compute capability 8.9+ for FP8 GEMMs), not {device.describe()}"
+            return False, ("MS-AMP runs only on CUDA GPUs (compute capability 8.9+ for FP8 GEMMs), "
+                           f"not {device.describe()}")
         return super().supports(device)
 
     # MS-AMP's scaling windows and formats are its own: of the recipe it reads only the level

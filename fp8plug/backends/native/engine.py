@@ -17,6 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8plug.backends.base import Engine, Probe
+from fp8plug.backends.gemm import scaled_mm, writable_dtype
+from fp8plug.backends.native import fused_cast, fused_norm, shared_input
+from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
+from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
+from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
+    _TRACKED,
+    sync_delayed_scaling,
+    track_for_sync,
+    untrack_for_sync,
+)
+from fp8plug.backends.padding import pad_tokens, token_count
+from fp8plug.backends.region import fp8_now, fp8_region
 from fp8plug.layers.rules import (
     ALIGNMENT,
     ConversionReport,
@@ -27,24 +40,9 @@ from fp8plug.layers.rules import (
     replace_module,
     swap_modules,
 )
-from fp8plug.backends.gemm import scaled_mm, writable_dtype
-from fp8plug.recipe.plans import DelayedScalingPlan, Settings
 from fp8plug.recipe.kwargs import DEFAULTS
+from fp8plug.recipe.plans import DelayedScalingPlan, Settings
 from fp8plug.recipe.scalings import DELAYED_FIELDS, DelayedScaling, delayed_values
-from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
-from fp8plug.backends.native import fused_cast
-from fp8plug.backends.native import fused_norm
-from fp8plug.backends.native import shared_input
-from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
-from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
-    _TRACKED,
-    sync_delayed_scaling,
-    track_for_sync,
-    untrack_for_sync,
-)
-from fp8plug.backends.base import Engine, Probe
-from fp8plug.backends.padding import pad_tokens, token_count
-from fp8plug.backends.region import fp8_now, fp8_region
 
 native_fp8_autocast = fp8_region  # the native engine's autocast: the shared FP8 region
 
@@ -85,9 +83,9 @@ class _FP8Linear(torch.autograd.Function):
     layer's input comes without the transposed copy (x_t None), and backward runs neither the
     weight-gradient GEMM nor grad_output's transposed cast; likewise an input that needs no
     gradient (the first layer's) gets no input-gradient GEMM. `grad_record` is the module's
-    recorded grad_output amax. It is kept on ctx rather than saved with save_for_backward: several calls of one layer before one
-    backward all write into it, and a saved tensor written in place would fail autograd's version
-    check."""
+    recorded grad_output amax. It is kept on ctx rather than saved with save_for_backward: several
+    calls of one layer before one backward all write into it, and a saved tensor written in place
+    would fail autograd's version check."""
 
     @staticmethod
     def forward(ctx, x, weight, x_cast, w_cast, grad_scale, grad_record, config: GemmConfig):
@@ -149,10 +147,11 @@ class NativeFP8Linear(nn.Linear):
     `native_fp8_autocast` says; otherwise the layer runs in high precision. Any token count runs
     in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
 
-    Delayed scaling (fp8plug.backends.native.scaling): during a step the layer records amaxes and casts with the
-    scales set at the end of the previous step; the end of every optimizer step
-    (NativeEngine.end_step, through fp8plug.backends.steps) reduces the recorded amaxes across ranks and updates history and scales. Before a slot's
-    first update it scales from the current amax, so the first step cannot overflow.
+    Delayed scaling (fp8plug.backends.native.scaling): during a step the layer records amaxes and
+    casts with the scales set at the end of the previous step; the end of every optimizer step
+    (NativeEngine.end_step, through fp8plug.backends.steps) reduces the recorded amaxes across
+    ranks and updates history and scales. Before a slot's first update it scales from the current
+    amax, so the first step cannot overflow.
     Its settings are keyword arguments (`margin`, `interval`, `amax_history_len`, `amax_compute_algo`,
     `reduce_amax`: fp8plug.recipe.scalings.DelayedScaling's fields, with its defaults and checks), kept
     as `delayed_scaling` and as attributes of the same names.

@@ -19,18 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from fp8plug.layers.rules import (
-    ALIGNMENT,
-    ConversionReport,
-    linear_alignment_problem,
-    plain_linear,
-    plan_conversion,
-    replace_module,
-    swap_modules,
-)
-from fp8plug.tuning.hardware import DeviceInfo
-from fp8plug.recipe.plans import DelayedScalingPlan, Settings, ignored_message
-from fp8plug.recipe.scalings import DELAYED_FIELDS, delayed_values
+from fp8plug.backends.base import Engine, Probe, probe_import
 from fp8plug.backends.te.imports import TE_MODULE, TEApi, import_te, share_torch_cudnn, te_version
 from fp8plug.backends.te.layers import (
     accept_plain_state_dict,
@@ -50,7 +39,18 @@ from fp8plug.backends.te.recipes import (
     te_recipe_spec,
     warn_once,
 )
-from fp8plug.backends.base import Engine, Probe, probe_import
+from fp8plug.layers.rules import (
+    ALIGNMENT,
+    ConversionReport,
+    linear_alignment_problem,
+    plain_linear,
+    plan_conversion,
+    replace_module,
+    swap_modules,
+)
+from fp8plug.recipe.plans import DelayedScalingPlan, Settings, ignored_message
+from fp8plug.recipe.scalings import DELAYED_FIELDS, delayed_values
+from fp8plug.tuning.hardware import DeviceInfo
 
 TE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the recipe fields that go into a TE recipe object (delayed scaling reads them all)
@@ -96,7 +96,9 @@ def _build_kwargs(module: nn.Module) -> dict:
 def _keep_rng(device: torch.device):
     """Building a TE module initialises weights we then replace; keep the RNG streams untouched
     so a converted run draws the same random numbers as an unconverted one."""
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
         yield
 
@@ -252,8 +254,8 @@ class TEEngine(Engine):
         def linear(module):
             problem = linear_alignment_problem(module)
             if problem is None and feature_multiple != ALIGNMENT:
-                bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features))
-                       if v % feature_multiple]
+                features = (("in_features", module.in_features), ("out_features", module.out_features))
+                bad = [f"{n}={v}" for n, v in features if v % feature_multiple]
                 if bad:
                     problem = f"{' and '.join(bad)} not divisible by {feature_multiple} ({scaling} blocks)"
             return problem or dtype_problem(module)
@@ -347,7 +349,8 @@ class TEEngine(Engine):
                 plain.train(module.training)
                 replace_module(model, fqn, plain)
         if kept:
-            warn_once(f"unconvert: left TransformerEngine module(s) {kept} in place: their layout has no exact torch equivalent.")
+            warn_once(f"unconvert: left TransformerEngine module(s) {kept} in place: their layout has no exact "
+                      "torch equivalent.")
         return model
 
     def is_converted(self, module: nn.Module) -> bool:
