@@ -89,7 +89,7 @@ ENGINES: Dict[str, EngineRow] = {row.name: row for row in (
     EngineRow(
         "te", "fp8plug.backends.te.engine:TEEngine",
         aliases=("transformer_engine", "transformer-engine", "transformerengine"),
-        # against bf16 compiled on the benchmark Llama, H100: eager 1.07x (session 14: 1.27x bf16 eager)
+        # against bf16 compiled on the benchmark Llama, H100: eager 1.07x (1.27x bf16 eager)
         measured={"compiled": Speed(1.17), "eager": Speed(1.07)},
         costs={SM90: Costs(peak_tflops=1493.0, bandwidth_gbs=4280.0, overhead_us=43.4,
                            note=H200_CALIBRATION.format(err="5.2%"))},
