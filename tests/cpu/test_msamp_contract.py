@@ -24,7 +24,7 @@ from fp8plug.recipe.kwargs import FP8RecipeKwargs
 from fp8plug.recipe.plans import make_plan
 from fp8plug.tuning.hardware import DeviceInfo
 
-FAKES = Path(__file__).resolve().parents[2] / "support" / "fakes"
+FAKES = Path(__file__).resolve().parents[1] / "support" / "fakes"
 
 
 def _drop_msamp_modules():
