@@ -48,7 +48,9 @@ def convert(model, caplog=None):
         return fp8plug.convert_model(model, recipe=RECIPE)
     with caplog.at_level(logging.INFO, logger="fp8plug"):
         report = fp8plug.convert_model(model, recipe=RECIPE)
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "fp8plug" and r.levelno == logging.INFO]
+    # the conversion's one line (the attention switch logs its own line once per model class and process)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "fp8plug" and r.levelno == logging.INFO
+               and "Linear layers" in r.getMessage()]
     return report, line
 
 
