@@ -3,7 +3,7 @@
 Why: they used to hand torchao or native configs straight to the engines, so a Float8Config or a
 convert_to_float8_training call skipped the recipe check and the speed filter that every other
 way in gets. Now each builds an FP8RecipeKwargs and calls fp8plug.convert_model: these tests
-watch that path's stops (check_recipe, the speed filter, the engine's convert, the log line) and
+watch that path's stops (make_plan, the speed filter, the engine's convert, the log line) and
 pin what the recipe says for each config. Also: no fp8plug class answers to torchao's names any
 more, except as a deprecated alias.
 """
