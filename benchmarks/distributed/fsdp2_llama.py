@@ -68,6 +68,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama import versions  # noqa: E402
 from hf_llama_measure import LOSS_WINDOW, dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
@@ -277,13 +278,18 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     if cuda:
         out["after_init_gb"] = torch.cuda.memory_allocated(device) / 1e9
     ms, losses = [], []
-    for i in range(args.steps):
-        start = time.perf_counter()
+
+    def step(i: int):
         loss = model(input_ids=data[i], labels=data[i]).loss
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.steps):
+        start = time.perf_counter()
+        loss = step(i)
         if cuda:
             torch.cuda.synchronize(device)
         ms.append((time.perf_counter() - start) * 1e3)
@@ -297,6 +303,8 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     out["dynamo_graphs"] = dynamo_graphs()
     out["final_sums"] = weight_sums(model, device)
     out.update(fp8_facts(model, accelerator))
+    if cuda and args.profile:  # after the timed steps: every rank profiles (collectives), rank 0 reports
+        out["profile"] = profile_steps(lambda: step(args.steps - 1), args.profile, top=40)
     if cuda:
         peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
                             dtype=torch.float64, device=device)
@@ -343,7 +351,8 @@ def child_command(row: str, args, path: Path) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(Path(__file__).resolve()), "--row", row, "--json", str(path), *spec, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--device", args.device,
-            "--compile-backend", args.compile_backend, "--peak-tflops", str(args.peak_tflops), "--t0", str(time.time())]
+            "--compile-backend", args.compile_backend, "--peak-tflops", str(args.peak_tflops),
+            "--profile", str(args.profile), "--t0", str(time.time())]
 
 
 def stop(proc, tmp: Path) -> None:
@@ -489,6 +498,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=None, help="seconds for the whole run, from this process's start")
     p.add_argument("--min-row-s", type=float, default=90, help="the least time a row is started with (default 90)")
     p.add_argument("--warm-cache", action="store_true", help="keep the usual inductor/triton caches")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="on GPUs, profile N more steps after the timed ones: GPU time by kernel kind, and the "
+                        "communication no compute hid (benchmarks/training/gpu_time_by_kind.py)")
     p.add_argument("--json", default=None, help="write meta and rows here (rewritten after each row)")
     p.add_argument("--logs", default=None, help="keep each row's launch output as DIR/<row>.log")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one rank of one row (what the parent launches)

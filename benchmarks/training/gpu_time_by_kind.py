@@ -15,6 +15,7 @@ from typing import Callable
 # Inductor's kernels stay "triton" whatever they fuse; hand-written FP8 casts (TransformerEngine's,
 # fp8plug's fused_cast) are "cast", before the FP8 type names would call them GEMMs.
 GROUPS = (
+    ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("triton", ("triton",)),
     ("cast", ("cast_transpose", "cast_both_layouts", "amax_unless_scaled", "amax_kernel")),
@@ -40,8 +41,9 @@ def group_of(name: str) -> str:
 
 
 def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
-    """Run `step` `steps` times under the profiler; per-step GPU milliseconds by group, the `top`
-    kernels by time, and the kernel count per step."""
+    """Run `step` `steps` times under the profiler; per-step GPU milliseconds by group (summed over
+    streams, so overlapped communication counts in full), the communication no compute hid, the
+    `top` kernels by time, and the kernel count per step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -57,12 +59,50 @@ def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
         groups[key] = groups.get(key, 0.0) + e.self_device_time_total / steps / 1e3
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return dict(
+        exposed_communication_ms=exposed_communication_ms(kernel_intervals(prof), steps),
         gpu_ms_per_step=round(sum(groups.values()), 3),
         groups_ms={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         kernels_per_step=round(sum(e.count for e in kernels) / steps, 1),
         top=[dict(name=e.key[:110], group=group_of(e.key), ms=round(e.self_device_time_total / steps / 1e3, 3),
                   calls=round(e.count / steps, 1)) for e in kernels[:top]],
     )
+
+
+def _merged(intervals: list) -> list:
+    """Sorted, non-overlapping (start, end) intervals covering the same time as `intervals`."""
+    merged: list = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def exposed_communication_ms(kernels: list, steps: int) -> float:
+    """GPU milliseconds per step in which a communication kernel runs and no other kernel does:
+    the collectives FSDP2 failed to hide behind compute. `kernels`: (name, start_us, end_us)."""
+    comm = _merged([(s, e) for name, s, e in kernels if group_of(name) == "communication"])
+    busy = _merged([(s, e) for name, s, e in kernels if group_of(name) != "communication"])
+    exposed, j = 0.0, 0
+    for start, end in comm:
+        covered = 0.0
+        while j < len(busy) and busy[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < end:
+            covered += min(end, busy[k][1]) - max(start, busy[k][0])
+            k += 1
+        exposed += (end - start) - covered
+    return round(exposed / steps / 1e3, 3)
+
+
+def kernel_intervals(prof) -> list:
+    """(name, start_us, end_us) of every GPU kernel a finished torch.profiler run recorded."""
+    import torch
+
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def memory_at_peak() -> dict:
