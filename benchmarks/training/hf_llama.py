@@ -133,8 +133,10 @@ BASES = {
 # How the model is held: eager; `compiled`, Accelerate's dynamo_backend="inductor" (the
 # Accelerator knows before prepare); `usercompiled`, the user's own torch.compile(model) after
 # prepare (most training loops); `precompiled`, torch.compile(model) before prepare; `trainer`,
-# transformers.Trainer(torch_compile=True) runs the loop (hf_llama_trainer.py).
-MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer")
+# transformers.Trainer(torch_compile=True) runs the loop (hf_llama_trainer.py); `regional`,
+# Accelerate's TorchDynamoPlugin(use_regional_compilation=True): each decoder layer compiled in
+# place, one graph reused for every layer, so the first step pays for one layer's compilation.
+MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer", "regional")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row
@@ -173,7 +175,7 @@ def unavailable(row: str, device) -> str:
         return "" if verdict.usable else verdict.reason
     try:  # the Accelerator's own choice for this mode: choosing by order would import every engine,
         # TransformerEngine too, whose cuDNN then costs the row cuDNN attention (seen on the H100)
-        select_backend(None, device, compiled=True if row.endswith(("-compiled", "-trainer")) else None)
+        select_backend(None, device, compiled=True if row.endswith(("-compiled", "-trainer", "-regional")) else None)
     except BackendUnavailableError as exc:
         return str(exc).splitlines()[0]
     return ""
@@ -214,8 +216,12 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     else:
         cls = accelerate.Accelerator
     backend = spec.get("compile_backend", "inductor")
-    accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
-                      dynamo_backend=backend if mode == "compiled" else "no")
+    dynamo = {}
+    if mode == "regional":
+        dynamo["dynamo_plugin"] = accelerate.utils.TorchDynamoPlugin(backend=backend, use_regional_compilation=True)
+    else:
+        dynamo["dynamo_backend"] = backend if mode == "compiled" else "no"
+    accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu", **dynamo)
     model = build_model(spec, accelerator.device)
     if kind == "accelerate" and options.get("skip_causal_mask"):
         from fp8plug.hf.attention import skip_causal_mask

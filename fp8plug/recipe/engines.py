@@ -70,8 +70,11 @@ class EngineRow:
     costs_scaling: Optional[str] = None
 
 
-# where the Speed figures come from, for `fp8plug env` and the selection's explanation
-MEASURED_ON = "H100, transformers LlamaForCausalLM 4x4096, benchmarks/training/hf_llama.py (docs/performance.md)"
+# where the Speed figures come from, for `fp8plug env` and the selection's explanation; "compiled"
+# is the whole model under one torch.compile (Accelerate's dynamo_backend or torch.compile after
+# prepare), which regional compilation (one graph per decoder layer) matches within a few percent
+MEASURED_ON = ("H100, transformers LlamaForCausalLM 4x4096, compiled = whole-model torch.compile, "
+               "benchmarks/training/hf_llama.py (docs/performance.md)")
 # where the Costs come from: fitted by fp8plug.tuning.roofline_fit.calibrate to
 # docs/results/h200/bench_sweep_queued.json (bf16, native and ao compiled) and
 # bench_sweep_queued_te_eager.json (te; TE runs outside torch.compile). Used for every compute
