@@ -22,6 +22,8 @@ synthetic task, each rank its own batches. Rows:
   bf16           accelerate.Accelerator(mixed_precision="bf16")
   fp8plug        fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs()])
   fp8plug-ao     the same with FP8RecipeKwargs(backend="ao", enable_fsdp_float8_all_gather=True)
+  fp8plug-native the same with FP8RecipeKwargs(backend="native") (bf16 all-gather, cast after it)
+  fp8plug-fp8ag  the same with FP8RecipeKwargs(backend="native", enable_fsdp_float8_all_gather=True)
   accelerate-ao  accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   accelerate-te  the same with TERecipeKwargs()
 
@@ -83,6 +85,9 @@ BASES = {
     "fp8plug": ("fp8plug", "fp8", None, {}),
     "fp8plug-ao": ("fp8plug", "fp8", "ao", dict(enable_fsdp_float8_all_gather=True)),
     "fp8plug-native": ("fp8plug", "fp8", "native", {}),  # what `fp8plug` chooses on an H100 (the CPU: ao)
+    # native with FSDP2 all-gathering the weights in FP8 (fp8plug.backends.native.fsdp_fp8), against
+    # fp8plug-native (bf16 all-gather, the cast after it)
+    "fp8plug-fp8ag": ("fp8plug", "fp8", "native", dict(enable_fsdp_float8_all_gather=True)),
     "accelerate-ao": ("accelerate", "fp8", "ao", {}),
     "accelerate-te": ("accelerate", "fp8", "te", {}),
 }
@@ -150,6 +155,11 @@ def fsdp_on_cpu(accelerator, plugin) -> None:
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
+    if getattr(accelerator, "fp8_plan", None) is not None:  # made for DDP: again, now that FSDP2 is on
+        from fp8plug.recipe.plans import make_plan
+
+        accelerator.fp8_plan = make_plan(accelerator.fp8_engine, accelerator._recipe_for_run(accelerator.fp8_recipe),
+                                         accelerator.fp8_selection.device, auto_filter=True)
 
 
 def build_meta_model(spec: dict):

@@ -423,6 +423,12 @@ class NativeEngine(Engine):
         sync_delayed_scaling(models, group=group)
         fsdp_fp8.precompute_weight_scales(list(models) or list(_TRACKED))
 
+    def has_storageless_weights(self) -> bool:
+        """Whether a weight was wrapped for FSDP2's FP8 all-gather (a wrapper subclass without
+        storage of its own, backends.native.fsdp_fp8), which accelerate's FSDP2 preparation must
+        look through."""
+        return fsdp_fp8.wrapped_any()
+
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
         modules = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, NativeFP8Linear)]

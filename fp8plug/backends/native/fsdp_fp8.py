@@ -180,6 +180,13 @@ def gathered_cast(weight: torch.Tensor, transposed: bool = True):
 # --- wrapping, state dicts, scales -------------------------------------------------------------------
 
 
+_WRAPPED = []  # True once any weight was wrapped in this process
+
+
+def wrapped_any() -> bool:
+    return bool(_WRAPPED)
+
+
 def wrap_weight(layer: nn.Module) -> None:
     """Make `layer.weight` (a NativeFP8Linear's, before FSDP2 shards it) all-gather in FP8, and
     keep `layer.state_dict()` plain. A new Parameter object (callers rebind optimizers)."""
@@ -187,6 +194,7 @@ def wrap_weight(layer: nn.Module) -> None:
     if isinstance(weight, FP8AllGatherWeight) or _local(weight) is not weight:
         return
     state = WeightCastState(layer, layer.fwd_dtype)
+    _WRAPPED[:] = [True]
     layer.weight = nn.Parameter(FP8AllGatherWeight(weight.data, state), requires_grad=weight.requires_grad)
     layer.register_state_dict_post_hook(_plain_weight_in_state_dict)
 
