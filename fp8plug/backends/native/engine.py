@@ -321,7 +321,10 @@ class NativePlan(DelayedScalingPlan):
     scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
     whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
     weight, grad_output), where the recipe's `scaling` gave one mode per tensor, replaces the one
-    `scaling` for all three. Defaults: FP8RecipeKwargs'."""
+    `scaling` for all three. `fsdp_float8_all_gather`: FSDP2 all-gathers the converted weights in
+    FP8 (backends.native.fsdp_fp8; FP8RecipeKwargs.enable_fsdp_float8_all_gather passed as an
+    argument); off by default: FSDP2 then all-gathers them in their training dtype (bf16 under
+    FSDP2's mixed precision) and each layer casts after the gather. Defaults: FP8RecipeKwargs'."""
 
     fp8_format: str = DEFAULTS["fp8_format"]
     tensor_scalings: Optional[Tuple[str, str, str]] = None
@@ -393,9 +396,10 @@ class NativeEngine(Engine):
         linears = set(report.linears)
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
         if plan.fsdp_float8_all_gather:  # FSDP2, once it shards the model, all-gathers these weights in FP8
-            for module in model.modules():
-                if isinstance(module, NativeFP8Linear):
-                    fsdp_fp8.wrap_weight(module)
+            layers = [m for m in model.modules() if isinstance(m, NativeFP8Linear)]
+            for module in layers:
+                fsdp_fp8.wrap_weight(module)
+            fsdp_fp8.log_all_gather(len(layers))
         track_for_sync(model, self)
         return report
 

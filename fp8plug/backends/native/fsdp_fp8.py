@@ -187,6 +187,19 @@ def wrapped_any() -> bool:
     return bool(_WRAPPED)
 
 
+def log_all_gather(count: int) -> None:
+    """The `fp8plug` log line saying which all-gather FSDP2 will run (once per process)."""
+    from fp8plug.coverage import is_main_process, logger
+
+    if count and not _LOGGED and is_main_process():
+        _LOGGED.append(True)
+        logger.info("fp8plug: native engine: FSDP2 will all-gather %d weights in FP8 (one scale each, "
+                    "precomputed after every optimizer step), not in bf16 (enable_fsdp_float8_all_gather=True)", count)
+
+
+_LOGGED = []
+
+
 def wrap_weight(layer: nn.Module) -> None:
     """Make `layer.weight` (a NativeFP8Linear's, before FSDP2 shards it) all-gather in FP8, and
     keep `layer.state_dict()` plain. A new Parameter object (callers rebind optimizers)."""
