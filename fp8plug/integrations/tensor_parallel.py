@@ -57,7 +57,7 @@ def check_no_tensor_parallel(accelerator, model: nn.Module, engine, where: str =
     if size is None:
         return
     raise ConversionError(
-        f"{where}tensor parallelism (tp_size={size}) is not supported by fp8plug's {engine.title} engine "
+        f"{where}tensor parallelism (tp_size={size}) is not supported by the {engine.title} engine "
         f"(backend={engine.name!r}): its FP8 Linears would replace the tensor-parallel Linears and drop the "
         "plan's input/output hooks, and its FP8 casts take no DTensor weights. Train with tp_size=1 and shard "
         "with FSDP2 instead (ParallelismConfig(dp_shard_size=<number of GPUs>) or "
