@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 IN, HIDDEN, OUT, STEPS = 64, 128, 64, 4
+pytestmark = pytest.mark.slow  # two processes, four trainings: about 10 s
 
 
 def _model():

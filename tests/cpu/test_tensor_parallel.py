@@ -1,7 +1,8 @@
-"""Tensor parallelism is refused at prepare, with the fix, for every engine (fp8plug.integrations.
-tensor_parallel): a model whose Linears torch's parallelize_module sharded over two gloo processes,
-and Accelerate's ParallelismConfig(tp_size=2) (which Accelerate itself accepts only on GPUs, so its
-config is read here as prepare reads it)."""
+"""Tensor parallelism is refused at prepare, with the fix, for every engine
+(fp8plug.integrations.tensor_parallel): a model whose Linears torch's parallelize_module sharded
+over two gloo processes, a transformers Llama loaded there with tp_plan="auto", and Accelerate's
+ParallelismConfig(tp_size=2) (which Accelerate itself accepts only on GPUs, so its config is read
+here as prepare reads it)."""
 
 import os
 import types
@@ -37,12 +38,29 @@ def _worker(rank, init_file, out_dir):
     except ConversionError as exc:
         message = str(exc)
     converted = any(type(m).__name__ == "NativeFP8Linear" for m in model.modules())
+    # a transformers Llama loaded with tp_plan="auto" (its Linears' weights become DTensors)
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
     if rank == 0:
-        Path(out_dir, "result.txt").write_text(repr(dict(message=message, converted=converted)))
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128)).save_pretrained(Path(out_dir, "llama"))
+    dist.barrier()
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    llama = AutoModelForCausalLM.from_pretrained(Path(out_dir, "llama"), tp_plan="auto", device_mesh=tp_mesh)
+    try:
+        accelerator.prepare(llama)
+        hf_message = None
+    except ConversionError as exc:
+        hf_message = str(exc)
+    if rank == 0:
+        Path(out_dir, "result.txt").write_text(repr(dict(message=message, converted=converted,
+                                                         hf_message=hf_message)))
     dist.barrier()
     os._exit(0)  # gloo's teardown can hang at exit (see tests/cpu/test_coverage.py)
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_model_is_refused_at_prepare_naming_the_fix(tmp_path):
     import torch.multiprocessing as mp
 
@@ -52,6 +70,7 @@ def test_a_tensor_parallel_model_is_refused_at_prepare_naming_the_fix(tmp_path):
     assert message is not None and not result["converted"]  # refused before anything was converted
     assert "tp_size=2" in message and "backend='native'" in message
     assert "dp_shard_size" in message and "fsdp_version=2" in message
+    assert result["hf_message"] is not None and "tp_size=2" in result["hf_message"]
 
 
 @pytest.mark.parametrize("backend", ["native", "ao"])
