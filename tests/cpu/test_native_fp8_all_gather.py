@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 IN, HIDDEN, OUT, STEPS = 64, 128, 64, 4
-pytestmark = pytest.mark.slow  # two processes, four trainings: about 10 s
 
 
 def _model():
@@ -119,6 +118,7 @@ def results(tmp_path_factory):
     return torch.load(tmp / "result.pt", weights_only=False)
 
 
+@pytest.mark.slow  # two processes, four trainings: about 10 s
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
 def test_fp8_all_gather_trains_exactly_as_the_cast_after_the_gather(results, scaling):
     r = results[scaling]
@@ -129,6 +129,7 @@ def test_fp8_all_gather_trains_exactly_as_the_cast_after_the_gather(results, sca
     assert r["fp8"]["losses"][-1] < r["fp8"]["losses"][0]  # it trains
 
 
+@pytest.mark.slow  # two processes, four trainings: about 10 s
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
 def test_weights_are_all_gathered_in_float8(results, scaling):
     r = results[scaling]
@@ -138,6 +139,7 @@ def test_weights_are_all_gathered_in_float8(results, scaling):
     assert r["fp8"]["bytes"] / r["plain"]["bytes"] == pytest.approx((weights + 4 * biases) / (4 * weights + 4 * biases))
 
 
+@pytest.mark.slow  # two processes, four trainings: about 10 s
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
 def test_state_dicts_and_optimizer_states_stay_plain(results, scaling):
     r = results[scaling]
@@ -146,3 +148,30 @@ def test_state_dicts_and_optimizer_states_stay_plain(results, scaling):
     assert r["loads_into_plain"]
     assert r["fp8"]["states_plain"]
     assert r["still_wrapped"] == "FP8AllGatherWeight"
+
+
+def test_only_an_argument_turns_it_on_and_unconverting_gives_the_plain_weight_back(monkeypatch):
+    import fp8plug
+    from fp8plug.backends import get_backend
+    from fp8plug.backends.native.fsdp_fp8 import FP8AllGatherWeight
+    from fp8plug.recipe.plans import make_plan
+    from fp8plug.tuning.hardware import DeviceInfo
+
+    engine = get_backend("native")
+    monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")  # `accelerate launch`'s default
+    cpu = DeviceInfo("cpu", "cpu")
+    assert not make_plan(engine, fp8plug.FP8RecipeKwargs(backend="native"), cpu).fsdp_float8_all_gather
+    plan = make_plan(engine, fp8plug.FP8RecipeKwargs(backend="native", enable_fsdp_float8_all_gather=True), cpu)
+    assert plan.fsdp_float8_all_gather
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.convert(model, plan)
+    assert isinstance(model[0].weight, FP8AllGatherWeight) and engine.has_storageless_weights()
+    state = model.state_dict()
+    assert all(type(v) is torch.Tensor and torch.equal(v, before[k]) for k, v in state.items())
+    out = model(torch.randn(16, IN))  # unsharded, the wrapper computes as the plain weight
+    out.sum().backward()
+    assert type(model[0].weight.grad) is torch.Tensor
+    engine.unconvert(model)
+    assert type(model[0]) is nn.Linear and type(model[0].weight) is nn.Parameter
+    assert torch.equal(model[0].weight, before["0.weight"])
