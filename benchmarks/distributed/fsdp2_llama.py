@@ -22,6 +22,8 @@ synthetic task, each rank its own batches. Rows:
   bf16           accelerate.Accelerator(mixed_precision="bf16")
   fp8plug        fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs()])
   fp8plug-ao     the same with FP8RecipeKwargs(backend="ao", enable_fsdp_float8_all_gather=True)
+  fp8plug-native the same with FP8RecipeKwargs(backend="native") (bf16 all-gather, cast after it)
+  fp8plug-fp8ag  the same with FP8RecipeKwargs(backend="native", enable_fsdp_float8_all_gather=True)
   accelerate-ao  accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   accelerate-te  the same with TERecipeKwargs()
 
@@ -30,6 +32,14 @@ TorchDynamoPlugin(use_regional_compilation=True): under FSDP2 each decoder layer
 place before sharding) or `-eager`. Each row is one `python -m torch.distributed.run --standalone`
 launch with empty inductor/triton caches; this parent rewrites --json after each row, skips rows
 --deadline leaves no time for, and ends a row at --timeout (keeping the steps it finished).
+
+`--strategy zero3` runs the same rows under DeepSpeed ZeRO-3 instead (Accelerate's
+DeepSpeedPlugin(zero_stage=3), bf16, the same model, batch, optimizer and schedule): the model is
+built inside `deepspeed.zero.Init`, so each layer is partitioned as it is constructed and no rank
+ever holds the whole model, and each parameter is then initialised from the same per-name seed
+(gathered one at a time, filled on rank 0, scattered back); activation checkpointing is
+transformers' own per decoder layer (non-reentrant), the FSDP2 rows' granularity. ZeRO-3 rows
+run `-eager`, or `-usercompiled` through DeepSpeedEngine.compile(); `-regional` is FSDP2's only.
 
 Per row: tok/s per GPU (batch x seq over the median step time after --warmup; each step ends with
 a device synchronise, negligible at 1 s a step); MFU = tok/s per GPU x F / 989e12 (--peak-tflops,
@@ -43,6 +53,7 @@ out of all Linear layers (an FP8 row that converted none fails rather than repor
     python3 benchmarks/distributed/fsdp2_llama.py --nproc 1 --layers 4 --json out/fsdp2_1gpu.json
     python3 benchmarks/distributed/fsdp2_llama.py --device cpu --nproc 2 --layers 2 --hidden 256 \\
         --intermediate 512 --heads 4 --kv-heads 2 --vocab 512 --seq 64 --rows bf16-eager,fp8plug-eager
+    python3 benchmarks/distributed/fsdp2_llama.py --strategy zero3 --rows bf16-eager,fp8plug-eager --json out/zero3.json
 """
 
 from __future__ import annotations
@@ -84,6 +95,9 @@ BASES = {
     "fp8plug": ("fp8plug", "fp8", None, {}),
     "fp8plug-ao": ("fp8plug", "fp8", "ao", dict(enable_fsdp_float8_all_gather=True)),
     "fp8plug-native": ("fp8plug", "fp8", "native", {}),  # what `fp8plug` chooses on an H100 (the CPU: ao)
+    # native with FSDP2 all-gathering the weights in FP8 (fp8plug.backends.native.fsdp_fp8), against
+    # fp8plug-native (bf16 all-gather, the cast after it)
+    "fp8plug-fp8ag": ("fp8plug", "fp8", "native", dict(enable_fsdp_float8_all_gather=True)),
     "accelerate-ao": ("accelerate", "fp8", "ao", {}),
     "accelerate-te": ("accelerate", "fp8", "te", {}),
 }
@@ -110,13 +124,23 @@ def flops_per_token(spec: dict) -> float:
 # --- one row: every rank of a torch.distributed.run launch runs this --------------------------------
 
 
-def make_accelerator(row: str, backend: str, device_type: str):
-    """The row's Accelerator, with the FSDP2 plugin every row shares and its compile mode."""
+def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "fsdp2", spec: dict = None):
+    """The row's Accelerator, with the FSDP2 plugin every row shares (or, `strategy` "zero3", the
+    DeepSpeed ZeRO-3 plugin) and its compile mode."""
     import accelerate
     from accelerate.utils import AORecipeKwargs, FullyShardedDataParallelPlugin, TERecipeKwargs, TorchDynamoPlugin
 
     base, mode = row.rsplit("-", 1)
     kind, precision, engine, options = BASES[base]
+    if strategy == "zero3":
+        plugin = zero3_plugin(spec)
+        if kind == "fp8plug":
+            import fp8plug
+
+            handlers = [fp8plug.FP8RecipeKwargs(**options, **({"backend": engine} if engine else {}))]
+            return fp8plug.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
+        handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
+        return accelerate.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         reshard_after_forward=True, activation_checkpointing=True, cpu_ram_efficient_loading=False,
@@ -139,6 +163,47 @@ def make_accelerator(row: str, backend: str, device_type: str):
     return accelerator
 
 
+def zero3_plugin(spec: dict):
+    """DeepSpeed ZeRO-3 as Accelerate's DeepSpeedPlugin sets it up: bf16 (the mixed precision
+    fills it in), no offload, the row's micro-batch; the model is partitioned by zero.Init in
+    build_zero3_model, not by Accelerate's zero3_init_flag (which acts only inside from_pretrained)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1, gradient_clipping=None, zero3_init_flag=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=spec["batch"], train_batch_size=spec["batch"] * world,
+                                   steps_per_print=10**9)
+    return plugin
+
+
+def build_zero3_model(spec: dict, accelerator, device):
+    """LlamaForCausalLM built inside deepspeed.zero.Init (each layer partitioned as it is made: no
+    rank holds the whole model), every parameter then set from its per-name seed as `materialise`
+    does, one at a time (gathered, filled on rank 0, scattered back), and transformers' own
+    activation checkpointing per decoder layer."""
+    import deepspeed
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = build_meta_model(spec).config
+    with deepspeed.zero.Init(config_dict_or_path=accelerator.state.deepspeed_plugin.deepspeed_config):
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if accelerator.process_index == 0:
+                    gen = torch.Generator(device=device).manual_seed(zlib.crc32(canonical(name).encode()))
+                    full = torch.empty(param.shape, dtype=torch.float32, device=device)
+                    if full.dim() >= 2:
+                        full.normal_(0.0, INIT_STD, generator=gen)
+                    else:
+                        full.fill_(1.0)
+                    param.copy_(full)
+                    del full
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
 def fsdp_on_cpu(accelerator, plugin) -> None:
     """For the CPU tests: accelerate 1.15 turns FSDP on only for GPU-like distributed types
     (AcceleratorState: MULTI_GPU, ...) and would train these CPU processes with DDP; torch's
@@ -151,6 +216,11 @@ def fsdp_on_cpu(accelerator, plugin) -> None:
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
+    if getattr(accelerator, "fp8_plan", None) is not None:  # made for DDP: again, now that FSDP2 is on
+        from fp8plug.recipe.plans import make_plan
+
+        accelerator.fp8_plan = make_plan(accelerator.fp8_engine, accelerator._recipe_for_run(accelerator.fp8_recipe),
+                                         accelerator.fp8_selection.device, auto_filter=True)
 
 
 def build_meta_model(spec: dict):
@@ -212,6 +282,7 @@ def weight_sums(model, device) -> list:
         for p in model.parameters():
             t = p.to_local() if hasattr(p, "to_local") else p
             t = getattr(t, "_tensor", t)
+            t = getattr(p, "ds_tensor", t)  # ZeRO-3: this rank's partition (zero padding adds nothing)
             sums += torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64) ** 2])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
@@ -254,10 +325,12 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and device_type != "cuda":
         raise RuntimeError("--device cuda: no CUDA device")
-    accelerator = make_accelerator(row, args.compile_backend, device_type)
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    accelerator = make_accelerator(row, args.compile_backend, device_type, args.strategy, spec)
+    world, device = accelerator.num_processes, accelerator.device
     cuda = device.type == "cuda"
-    out = dict(device=torch.cuda.get_device_name(device) if cuda else "CPU", world_size=world)
+    out = dict(device=torch.cuda.get_device_name(device) if cuda else "CPU", world_size=world, strategy=args.strategy)
+    if args.strategy == "zero3":
+        return train_zero3(row, spec, args, t0, accelerator, out)
     model = build_meta_model(spec)
     if BASES[row.rsplit("-", 1)[0]][3].get("skip_causal_mask"):
         from fp8plug.hf.attention import skip_causal_mask
@@ -274,6 +347,43 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     out.update(model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2]))
     if mode == "usercompiled":
         model = torch.compile(model, backend=args.compile_backend)
+    return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
+
+
+def train_zero3(row: str, spec: dict, args, t0: float, accelerator, out: dict) -> dict:
+    """`train` under DeepSpeed ZeRO-3 (see the module doc)."""
+    import types
+
+    import torch
+
+    mode, device = row.rsplit("-", 1)[1], accelerator.device
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    kind = str(accelerator.distributed_type)
+    if accelerator.num_processes != launched or "DEEPSPEED" not in kind:
+        # accelerate.Accelerator on CPU processes, for one, runs each alone and without DeepSpeed
+        raise RuntimeError(f"Accelerate did not run DeepSpeed over the {launched} launched processes "
+                           f"({kind}, {accelerator.num_processes} processes)")
+    model = build_zero3_model(spec, accelerator, device)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = warmup_schedule(optimizer, args.steps)
+    everything = types.SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
+    # ZeRO-3 steps its own flat fp32 partitions of every parameter given to prepare
+    out.update(model_facts(model, everything, accelerator, BASES[row.rsplit("-", 1)[0]][2]), params_not_stepped=None)
+    if mode == "usercompiled":
+        model.compile(backend=args.compile_backend)  # DeepSpeedEngine.compile: its hooks stay outside the graph
+    return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
+
+
+def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: float, out: dict) -> dict:
+    """The timed steps every strategy shares; `out` completed with the row's numbers."""
+    import torch
+
+    rank, device = accelerator.process_index, accelerator.device
+    cuda = device.type == "cuda"
     data = make_batches(spec, args.steps, seed=1234 + rank).to(device)
     if cuda:
         out["after_init_gb"] = torch.cuda.memory_allocated(device) / 1e9
@@ -351,8 +461,8 @@ def child_command(row: str, args, path: Path) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             str(Path(__file__).resolve()), "--row", row, "--json", str(path), *spec, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--device", args.device,
-            "--compile-backend", args.compile_backend, "--peak-tflops", str(args.peak_tflops),
-            "--profile", str(args.profile), "--t0", str(time.time())]
+            "--compile-backend", args.compile_backend, "--strategy", args.strategy,
+            "--peak-tflops", str(args.peak_tflops), "--profile", str(args.profile), "--t0", str(time.time())]
 
 
 def stop(proc, tmp: Path) -> None:
@@ -485,6 +595,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, value in LLAMA3_8B.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=f"default {value}")
+    p.add_argument("--strategy", choices=("fsdp2", "zero3"), default="fsdp2",
+                   help="FSDP2 through Accelerate (default), or DeepSpeed ZeRO-3 (rows -eager, -usercompiled)")
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS}); rows: "
                    + ", ".join(ALL_ROWS))
     p.add_argument("--nproc", type=int, default=0, help="processes (GPUs) per row; default every visible GPU (CPU: 2)")
@@ -512,6 +624,9 @@ def parse_args(argv=None):
         p.error(f"--rows: unknown row {bad[0]!r}; rows: {', '.join(ALL_ROWS)}")
     if args.row is not None and args.row not in ALL_ROWS:
         p.error(f"--row: unknown row {args.row!r}")
+    chosen = [args.row] if args.row else args.rows.split(",")
+    if args.strategy == "zero3" and any(r.strip().endswith("-regional") for r in chosen):
+        p.error("--strategy zero3: regional compilation is FSDP2's; use -eager or -usercompiled rows")
     if not 1 <= args.warmup < args.steps:
         p.error("--warmup must be at least 1 and below --steps")
     if args.spec["hidden"] % args.spec["heads"] or args.spec["heads"] % args.spec["kv_heads"]:
@@ -527,7 +642,8 @@ def main(argv=None) -> int:
         import torch
 
         args.nproc = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 2
-    meta = dict(spec=args.spec, nproc=args.nproc, steps=args.steps, warmup=args.warmup, lr=args.lr,
+    meta = dict(spec=args.spec, strategy=args.strategy, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+                lr=args.lr,
                 loss_floor=loss_floor(args.spec), peak_tflops=args.peak_tflops,
                 flops_per_token=flops_per_token(args.spec), compile_backend=args.compile_backend, versions=versions(),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

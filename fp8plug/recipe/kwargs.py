@@ -57,7 +57,7 @@ DEFAULTS = {
 APPLIES_TO = {
     "opt_level": "MS-AMP (backend='msamp')",
     **dict.fromkeys(DELAYED_FIELDS, DelayedScaling.applies_to),
-    "enable_fsdp_float8_all_gather": "torchao under FSDP2 (backend='ao')",
+    "enable_fsdp_float8_all_gather": "FSDP2 (backend='ao' or 'native')",
     "pad_inner_dim": "torchao (backend='ao')",
     "ao_config": "torchao (backend='ao')",
 }
@@ -100,7 +100,8 @@ class FP8RecipeKwargs(KwargsHandler):
             grad_output); None takes the engine's default.
         modules_to_ignore: fully-qualified names of modules left in high precision.
         module_filter_fn: fn(module, fqn) -> bool; False leaves that module in high precision.
-        enable_fsdp_float8_all_gather: ao: all-gather FSDP2-sharded weights in float8.
+        enable_fsdp_float8_all_gather: ao, native: all-gather FSDP2-sharded weights in float8
+            (native: only where passed as an argument; docs/distributed.md).
         pad_inner_dim: ao: zero-pad GEMM inner dimensions to multiples of 16.
         ao_config: ao: a whole torchao Float8LinearConfig, or its MXFP8 training config, to
             start from; implies backend="ao".

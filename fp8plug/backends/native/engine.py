@@ -19,7 +19,7 @@ from torch import nn
 
 from fp8plug.backends.base import Engine, Probe
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
-from fp8plug.backends.native import fused_cast, fused_norm, shared_input
+from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, shared_input
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
 from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
 from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
@@ -292,6 +292,9 @@ class NativeFP8Linear(nn.Linear):
         scaled by its own amax (dynamic, or delayed before the slot's first update), else by the
         scale set at the end of the last step. `source`: as _cast's."""
         delayed = self.delayed_slots[slot]
+        gathered = fsdp_fp8.gathered_cast(t, transposed) if slot == WEIGHT else None
+        if gathered is not None:  # all-gathered by FSDP2 in FP8 already (backends.native.fsdp_fp8)
+            return gathered
         return _cast(t, self.fwd_dtype, delayed, self.fp8_scale[slot], self.fp8_step[slot] > 0 if delayed else None,
                      self.margin, transposed, source)
 
@@ -318,10 +321,14 @@ class NativePlan(DelayedScalingPlan):
     scaling's settings (unused by dynamic scaling), which GEMMs stay in high precision, and
     whether amaxes are reduced across ranks. `tensor_scalings` ("delayed" or "dynamic" for input,
     weight, grad_output), where the recipe's `scaling` gave one mode per tensor, replaces the one
-    `scaling` for all three. Defaults: FP8RecipeKwargs'."""
+    `scaling` for all three. `fsdp_float8_all_gather`: FSDP2 all-gathers the converted weights in
+    FP8 (backends.native.fsdp_fp8; FP8RecipeKwargs.enable_fsdp_float8_all_gather passed as an
+    argument); off by default: FSDP2 then all-gathers them in their training dtype (bf16 under
+    FSDP2's mixed precision) and each layer casts after the gather. Defaults: FP8RecipeKwargs'."""
 
     fp8_format: str = DEFAULTS["fp8_format"]
     tensor_scalings: Optional[Tuple[str, str, str]] = None
+    fsdp_float8_all_gather: bool = False
 
     def describe_scaling(self) -> str:
         return "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
@@ -342,7 +349,8 @@ class NativeEngine(Engine):
     install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
     runs_on_cpu = True
     scalings = ("delayed", "dynamic")
-    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval"})
+    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval",
+                         "enable_fsdp_float8_all_gather"})
     honours_by_scaling = {"delayed": frozenset(DELAYED_FIELDS)}  # dynamic scaling has no history, margin or interval
     plan_class = NativePlan
 
@@ -362,8 +370,11 @@ class NativeEngine(Engine):
     def make_plan(self, settings: Settings) -> NativePlan:
         delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & set(DELAYED_FIELDS)}
         given = settings.values["scaling"]  # the recipe's own value: a tuple gives one mode per tensor
+        # FSDP2's FP8 all-gather only where asked for as an argument: `accelerate launch` exports the
+        # field as true by default (for torchao), and native's default stays the bf16 all-gather
         return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
-                          tensor_scalings=tuple(given) if isinstance(given, tuple) else None, **delayed)
+                          tensor_scalings=tuple(given) if isinstance(given, tuple) else None,
+                          fsdp_float8_all_gather=bool(settings.argument("enable_fsdp_float8_all_gather")), **delayed)
 
     def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
         """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
@@ -384,6 +395,11 @@ class NativeEngine(Engine):
         # (the scales are identical on every rank anyway once reduced).
         linears = set(report.linears)
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
+        if plan.fsdp_float8_all_gather:  # FSDP2, once it shards the model, all-gathers these weights in FP8
+            layers = [m for m in model.modules() if isinstance(m, NativeFP8Linear)]
+            for module in layers:
+                fsdp_fp8.wrap_weight(module)
+            fsdp_fp8.log_all_gather(len(layers))
         track_for_sync(model, self)
         return report
 
@@ -391,7 +407,7 @@ class NativeEngine(Engine):
         untrack_for_sync(model)  # no FP8 layers left to guard or to end steps for
         for fqn, module in list(model.named_modules()):
             if isinstance(module, NativeFP8Linear):
-                replace_module(model, fqn, plain_linear(module, module.weight, module.bias))
+                replace_module(model, fqn, plain_linear(module, fsdp_fp8.unwrap_weight(module), module.bias))
             elif isinstance(module, fused_norm.FusedRMSNorm):
                 replace_module(model, fqn, module.unfused())
         return model
@@ -406,8 +422,16 @@ class NativeEngine(Engine):
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
     def end_step(self, models, group=None) -> None:
-        """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated."""
+        """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated; then,
+        under FSDP2 with FP8 all-gather, the scales of the next all-gather (one all-reduce)."""
         sync_delayed_scaling(models, group=group)
+        fsdp_fp8.precompute_weight_scales(list(models) or list(_TRACKED))
+
+    def has_storageless_weights(self) -> bool:
+        """Whether a weight was wrapped for FSDP2's FP8 all-gather (a wrapper subclass without
+        storage of its own, backends.native.fsdp_fp8), which accelerate's FSDP2 preparation must
+        look through."""
+        return fsdp_fp8.wrapped_any()
 
     def fp8_state(self, model: nn.Module) -> dict:
         """Each NativeFP8Linear's scaling buffers (non-persistent, so not in the state dict), on CPU."""
