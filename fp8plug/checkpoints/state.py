@@ -66,8 +66,9 @@ def install_plain_state_dict(model: nn.Module, engine: "Engine") -> nn.Module:
 # The recipe fields that the saved FP8 state depends on: the engine and its scaling (what the
 # tensors are), the format a scale was worked out for, and those of delayed scaling's settings
 # its arithmetic depends on (fp8plug.recipe.scalings: the margin, the history's length, how an
-# amax is read from it, how often the scale is updated).
-RECIPE_FIELDS = ("backend", "scaling", "fp8_format", *DELAYED_STATE_FIELDS)
+# amax is read from it, how often the scale is updated); and which layer runs which scaling
+# (layer_scaling: fp8plug.recipe.layer_scaling).
+RECIPE_FIELDS = ("backend", "scaling", "fp8_format", *DELAYED_STATE_FIELDS, "layer_scaling")
 
 
 def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
@@ -77,6 +78,8 @@ def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     record["backend"] = engine.name
     given = recipe.scaling  # a mode per tensor is kept as such: it is what the FP8 state was made under
     record["scaling"] = "/".join(given) if isinstance(given, tuple) else engine.scaling_name(given)
+    rules = record.get("layer_scaling")
+    record["layer_scaling"] = [list(rule) for rule in rules] if rules else None  # plain lists: weights_only loads
     return record
 
 
