@@ -8,7 +8,7 @@ nothing starts after --deadline seconds. Prints a markdown table, writes JSON.
 
     python3 benchmarks/linear/scaling_granularity.py --json out.json
     python3 benchmarks/linear/scaling_granularity.py --rows bf16,native-blockwise --shapes 16384x8192x8192
-    python3 benchmarks/linear/scaling_granularity.py --device cpu        # seconds: a smoke test of the script
+    python3 benchmarks/linear/scaling_granularity.py --device cpu --rows all  # a smoke test of the script (eager)
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main():
         args.iters, args.warmup = min(args.iters, 2), min(args.warmup, 1)
     shapes = (CPU_SHAPES if args.device == "cpu" else SHAPES) if not args.shapes else [
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    modes = [False, True] if args.eager else [False]
+    modes = [True] if args.device == "cpu" else [False, True] if args.eager else [False]  # CPU: eager only
     start, results = time.time(), []
     print("| shape | row | mode | ms | TFLOP/s | vs bf16 |\n|---|---|---|---|---|---|", flush=True)
     for shape in shapes:
@@ -149,8 +149,10 @@ def main():
 def _in_child(args, row, shape, eager) -> dict:
     """Run one row in a fresh process with its own compile caches."""
     with tempfile.TemporaryDirectory() as cache:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fp8plug from here
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONPATH=path)
         command = [sys.executable, __file__, "--one-row", row, "--one-shape", "x".join(map(str, shape)),
                    "--device", args.device, "--iters", str(args.iters), "--warmup", str(args.warmup)]
         if eager:

@@ -293,3 +293,17 @@ def test_rescale_layer_moves_one_layer_to_a_finer_scaling_or_to_bf16_keeping_par
     with pytest.raises(ValueError, match="not a native scaling"):
         engine.rescale_layer(model, "3", "mxfp8")
     fp8plug.sync_fp8_scaling(model)  # the end of a step still runs for the delayed layer left
+
+
+def test_a_compiled_blockwise_layer_matches_eager_on_the_cpu():
+    """torch.compile(fullgraph=True) of a granular layer: the same outputs and gradients, bit for
+    bit (the CPU casts and GEMMs are operators the compiler calls as they are)."""
+    torch.manual_seed(0)
+    layer = NativeFP8Linear(256, 256, scaling="blockwise")
+    x = torch.randn(40, 256, requires_grad=True)
+    layer(x).sum().backward()
+    eager = [t.clone() for t in (x.grad, layer.weight.grad)]
+    x.grad = layer.weight.grad = None
+    out = torch.compile(layer, fullgraph=True)(x)
+    out.sum().backward()
+    assert torch.equal(out, layer(x)) and torch.equal(x.grad, eager[0]) and torch.equal(layer.weight.grad, eager[1])

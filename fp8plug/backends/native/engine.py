@@ -1,8 +1,9 @@
 """The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
 
 Per-tensor scaling, dynamic or delayed with TransformerEngine's DelayedScaling semantics
-(backends.native.scaling); the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact
-emulation on the CPU (backends.gemm). Scaling state lives in non-persistent buffers, so the state
+(backends.native.scaling), or finer: per row or per tile and block (backends.native.granular);
+the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU
+(backends.gemm). Scaling state lives in non-persistent buffers, so the state
 dict is the plain Linear's, and the forward is branch-free tensor code that compiles with
 fullgraph=True. Eagerly on CUDA it also does what torch.compile would: Llama-style RMSNorms fused
 (backends.native.fused_norm) and one cast per shared input (backends.native.shared_input).

@@ -114,7 +114,27 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
     """(t [rows, K] in E4M3, the inverse scales: one float32 per tile of `kind`, shaped
     [ceil(rows/r), ceil(K/c)]). Each tile's scale is E4M3's max over the tile's amax (floored to a
     power of two where `power_of_two`, as torchao's rowwise recipes do); an all-zero or
-    non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize)."""
+    non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize). On the
+    CPU one operator torch.compile calls as it is: torch 2.13's CPU inductor failed to generate
+    code for the tile reduction traced into it (its loop split); GPU compilers fuse it."""
+    if t.device.type == "cpu" and torch.compiler.is_compiling():
+        return _cpu_cast_tiles(t.detach(), kind, power_of_two)
+    return _cast_tiles(t, kind, power_of_two)
+
+
+@torch.library.custom_op("fp8plug::cpu_cast_tiles", mutates_args=())
+def _cpu_cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _cast_tiles(t, kind, power_of_two)
+
+
+@_cpu_cast_tiles.register_fake
+def _(t, kind, power_of_two):
+    rows, cols = t.shape
+    r, c = _tile(kind, rows, cols)
+    return t.new_empty((rows, cols), dtype=E4M3), t.new_empty((-(-rows // r), -(-cols // c)), dtype=torch.float32)
+
+
+def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     t = t.detach()
     rows, cols = t.shape
     r, c = _tile(kind, rows, cols)
@@ -127,8 +147,10 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     t_fp8 = quantize(tiles, scale[:, None, :, None], E4M3).reshape(rows + pad_r, cols + pad_c)
     if pad_r or pad_c:
-        t_fp8 = t_fp8[:rows, :cols].contiguous()
-    return t_fp8, scale.reciprocal()
+        t_fp8 = t_fp8[:rows, :cols]
+    # row-major whatever t's layout (a transposed input's view keeps its strides through the
+    # element-wise ops): the GEMM reads each operand K-contiguous
+    return t_fp8.contiguous(), scale.reciprocal().contiguous()
 
 
 def dequantize(t_fp8: torch.Tensor, inv: torch.Tensor, kind: str) -> torch.Tensor:
@@ -144,7 +166,7 @@ def granular_mm(a, a_inv, a_kind: str, b, b_inv, b_kind: str, out_dtype: torch.d
     """A [M, K] @ B [N, K].T from FP8 operands (both K-contiguous) and their per-tile inverse
     scales: torch's FP8 GEMM on a GPU, its emulation (dequantise, one float32 GEMM) on the CPU."""
     if emulates(a.device):
-        return torch.mm(dequantize(a, a_inv, a_kind), dequantize(b, b_inv, b_kind).t()).to(out_dtype)
+        return _emulated_granular_mm(a, a_inv, a_kind, b, b_inv, b_kind, out_dtype)
     if a_kind in (ROW, TENSOR):  # rowwise: [M, 1] and [1, N] float32 scales, bf16 output (torch's rule)
         sa = a_inv.expand(a.shape[0], 1).contiguous()
         sb = b_inv.expand(b.shape[0], 1).reshape(1, -1).contiguous()
@@ -163,6 +185,19 @@ def granular_mm(a, a_inv, a_kind: str, b, b_inv, b_kind: str, out_dtype: torch.d
     out = F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
                       scale_recipe_b=recipe_b, output_dtype=out_hp)
     return out.to(out_dtype)
+
+
+@torch.library.custom_op("fp8plug::emulated_granular_mm", mutates_args=())
+def _emulated_granular_mm(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b: torch.Tensor, b_inv: torch.Tensor,
+                          b_kind: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The emulation, one operator that torch.compile calls as it is (as backends.gemm's): torch
+    2.13's CPU inductor failed to generate code for the tile-wise dequantisation traced into it."""
+    return torch.mm(dequantize(a, a_inv, a_kind), dequantize(b, b_inv, b_kind).t()).to(out_dtype)
+
+
+@_emulated_granular_mm.register_fake
+def _(a, a_inv, a_kind, b, b_inv, b_kind, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 # --- the linear ----------------------------------------------------------------------------------------
