@@ -181,9 +181,8 @@ def granular_mm(a, a_inv, a_kind: str, b, b_inv, b_kind: str, out_dtype: torch.d
         sb, recipe_b = sb.t(), kinds.BlockWise128x128
     else:
         sb, recipe_b = b_inv.t().contiguous().t(), kinds.BlockWise1x128
-    out_hp = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
     out = F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
-                      scale_recipe_b=recipe_b, output_dtype=out_hp)
+                      scale_recipe_b=recipe_b, output_dtype=torch.bfloat16)  # bf16 out, as torchao asks of it
     return out.to(out_dtype)
 
 
