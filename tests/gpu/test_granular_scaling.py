@@ -28,7 +28,7 @@ def needs(word):
 @pytest.mark.parametrize("shape", [(256, 512, 384), (4096, 1024, 2048)])
 def test_the_gpu_gemms_match_the_emulation_and_fp32(word, shape):
     """All three GEMMs on the GPU against the same layer emulated on the CPU (same FP8 bytes, the
-    GPU accumulating differently: > 45 dB) and against fp32 (> 25 dB)."""
+    GPU accumulating differently, writing bf16: > 40 dB) and against fp32 (> 25 dB)."""
     needs(word)
     m, k, n = shape
     torch.manual_seed(0)
@@ -43,7 +43,7 @@ def test_the_gpu_gemms_match_the_emulation_and_fp32(word, shape):
     ref = x32 @ w32.t()
     ref.backward(g)
     for gpu, cpu, exact in zip(results["cuda"], results["cpu"], (ref, x32.grad, w32.grad)):
-        assert sqnr_db(gpu, cpu) > 45, sqnr_db(gpu, cpu)
+        assert sqnr_db(gpu, cpu) > 40, sqnr_db(gpu, cpu)  # the GPU writes bf16 and accumulates its own way
         assert sqnr_db(gpu, exact) > 25, sqnr_db(gpu, exact)
 
 
