@@ -189,7 +189,8 @@ class AOEngine(Engine):
             raise ValueError(
                 "FP8RecipeKwargs.scaling: 'blockwise' is not a torchao float8 recipe (torchao 0.18's blockwise "
                 "training is a prototype, torchao.prototype.blockwise_fp8_training, outside Float8LinearConfig); "
-                "use backend='native' or 'te' for it, or backend=None to choose one that has it."
+                f"use one of {', '.join(self.scalings)}, or backend='native' or 'te' for blockwise (backend=None "
+                "chooses one that has it)."
             )
         return super().scaling_name(scaling)
 
