@@ -220,6 +220,9 @@ def test_unknown_words_are_refused_naming_the_field():
         FP8RecipeKwargs(layer_scaling={"x": "fast"})
     with pytest.raises(ValueError, match="layer_scaling: give a dict"):
         FP8RecipeKwargs(layer_scaling="bf16")
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather: gathers per-tensor FP8 weights"):
+        make_plan(get_backend("native"), FP8RecipeKwargs(backend="native", scaling="rowwise",
+                                                         enable_fsdp_float8_all_gather=True), device="cpu")
     with pytest.raises(ValueError, match="'tensorwise' is not a fp8plug native"):
         make_plan(get_backend("native"), FP8RecipeKwargs(backend="native", layer_scaling={"*": "tensorwise"}),
                   device="cpu")

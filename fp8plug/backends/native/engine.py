@@ -475,7 +475,7 @@ class NativeEngine(Engine):
             raise ValueError(f"rescale_layer: {fqn!r} is a {type(module).__name__}, not a native FP8 Linear.")
         word = str(scaling).strip().lower()
         if word == HIGH_PRECISION:
-            new = plain_linear(module, module.weight, module.bias)
+            new = plain_linear(module, fsdp_fp8.unwrap_weight(module), module.bias)
             replace_module(model, fqn, new)
             return new
         if word not in self.scalings:
