@@ -57,7 +57,7 @@ def convert_model(
     if accelerate_call and recipe.backend is None:
         selection = transformer_engine_first()
     else:
-        selection = select_backend(backend or recipe.backend, compiled=compiled)
+        selection = select_backend(backend or recipe.backend, compiled=compiled, scaling=recipe.scaling)
     recipe = selection.tune(recipe)
     plan = make_plan(selection.backend, recipe, selection.device, auto_filter=recipe.auto_filter is True)
     report = convert_with_plan(model, selection.backend, plan, linear=_convert_linear, norm=_convert_ln is not False)

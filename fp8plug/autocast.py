@@ -46,7 +46,7 @@ def _resolve(fp8_recipe, backend, model=None):
     holding = _engine_holding(model) if backend is None and recipe.backend is None else None
     if holding is not None:
         return holding, make_plan(holding, recipe)
-    selection = select_backend(backend or recipe.backend)
+    selection = select_backend(backend or recipe.backend, scaling=recipe.scaling)
     return selection.backend, make_plan(selection.backend, recipe, selection.device)
 
 

@@ -129,7 +129,15 @@ BASES = {
     "fp8plug-native-delayed": ("fp8plug", "fp8", "native", dict(scaling="delayed")),
     "fp8plug-ao": ("fp8plug", "fp8", "ao", {}),
     "fp8plug-te": ("fp8plug", "fp8", "te", {}),
+    # finer scaling (docs/numerics.md): native's rowwise and blockwise, and the same words on ao and te
+    "fp8plug-rowwise": ("fp8plug", "fp8", "native", dict(scaling="rowwise")),
+    "fp8plug-rowwise_with_gw_hp": ("fp8plug", "fp8", "native", dict(scaling="rowwise_with_gw_hp")),
+    "fp8plug-blockwise": ("fp8plug", "fp8", "native", dict(scaling="blockwise")),
+    "fp8plug-ao-rowwise": ("fp8plug", "fp8", "ao", dict(scaling="rowwise")),
+    "fp8plug-te-blockwise": ("fp8plug", "fp8", "te", dict(scaling="blockwise")),
 }
+FINER = ("fp8plug-rowwise", "fp8plug-rowwise_with_gw_hp", "fp8plug-blockwise", "fp8plug-ao-rowwise",
+         "fp8plug-te-blockwise")  # not among the default rows
 # How the model is held: eager; `compiled`, Accelerate's dynamo_backend="inductor" (the
 # Accelerator knows before prepare); `usercompiled`, the user's own torch.compile(model) after
 # prepare (most training loops); `precompiled`, torch.compile(model) before prepare; `trainer`,
@@ -140,7 +148,7 @@ MODES = ("eager", "compiled", "usercompiled", "precompiled", "trainer", "regiona
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row
-                and "-dpa-" not in row]
+                and "-dpa-" not in row and row.rsplit("-", 1)[0] not in FINER]
 REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with numbers is the ratios' base
 
 

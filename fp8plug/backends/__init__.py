@@ -168,9 +168,14 @@ class Selection:
         return "\n".join(lines)
 
 
-def judge(name: str, device: DeviceInfo) -> Verdict:
-    """Probe one engine (by canonical name) and check it against the device."""
+def judge(name: str, device: DeviceInfo, scaling=None) -> Verdict:
+    """Probe one engine (by canonical name) and check it against the device and, where given,
+    the scaling the recipe asks for (an engine without it is passed over unprobed)."""
     engine = _engine(name)
+    if scaling is not None and not engine.offers_scaling(scaling):
+        return Verdict(name, engine.title, Probe(False, reason="not checked"), False,
+                       f"has no {scaling!r} scaling (FP8RecipeKwargs.scaling; its own: {', '.join(engine.scalings)})",
+                       checked=False)
     probe = engine.probe()
     if device.type == "cpu":  # an engine that cannot run on the CPU: installing would not help
         ok, why = engine.supports(device)
@@ -198,7 +203,8 @@ def _none_usable(selection: Selection) -> BackendUnavailableError:
         "No FP8 backend can run here; FP8 is not silently replaced by bf16.\n" + selection.explain())
 
 
-def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None) -> Selection:
+def select_backend(requested: Optional[str] = None, device=None, compiled: Optional[bool] = None,
+                   scaling=None) -> Selection:
     """Choose the engine: the requested one if it can run (else an error saying why and how to
     install it), or automatically among the usable ones. Automatically, on a device with FP8
     GEMMs, by measured speed (the rows' `measured`, fp8plug.recipe.engines): where it is known
@@ -213,16 +219,17 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     can be explained. A requested engine is the only one probed, and the choice by measured speed
     stops at the first usable engine: probing imports an engine, and an import can change the
     whole process (TransformerEngine loads its own cuDNN; see _te_import.share_torch_cudnn and
-    _ranked_choice), so engines that cannot be chosen are not imported.
+    _ranked_choice), so engines that cannot be chosen are not imported. `scaling` (the recipe's
+    FP8RecipeKwargs.scaling): the automatic choice passes over the engines that do not offer it.
     """
     info = device if isinstance(device, DeviceInfo) else device_info(device)
     requested = normalize_backend(requested)  # the one place a requested name is normalised
     selection = Selection(None, info, requested)
     if requested is None and info.type == "cuda" and info.fp8_gemm:
-        return _ranked_choice(selection, "any" if compiled is None else "compiled" if compiled else "eager")
+        return _ranked_choice(selection, "any" if compiled is None else "compiled" if compiled else "eager", scaling)
     for name in BACKENDS:
         checked = requested is None or name == requested
-        selection.verdicts[name] = judge(name, info) if checked else not_checked(
+        selection.verdicts[name] = judge(name, info, None if requested else scaling) if checked else not_checked(
             name, f"backend {requested!r} was requested")
     if requested is not None:
         verdict = selection.verdicts[requested]
@@ -239,7 +246,7 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     raise _none_usable(selection)
 
 
-def _ranked_choice(selection: Selection, mode: str) -> Selection:
+def _ranked_choice(selection: Selection, mode: str, scaling=None) -> Selection:
     """The automatic choice by measured speed in `mode`: engines are probed fastest first and the
     first usable one wins; slower ones are not imported. That matters: importing TransformerEngine
     loads its cuDNN, after which torch ran a Llama's attention with its memory-efficient kernel
@@ -247,7 +254,7 @@ def _ranked_choice(selection: Selection, mode: str) -> Selection:
     selection.mode = mode
     for name in _fastest_first(list(BACKENDS), mode):
         if selection.backend is None:
-            selection.verdicts[name] = verdict = judge(name, selection.device)
+            selection.verdicts[name] = verdict = judge(name, selection.device, scaling)
             if verdict.usable:
                 selection.backend = _engine(name)
         else:

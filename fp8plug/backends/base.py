@@ -121,6 +121,9 @@ OPTIONAL = {
                                "through (fp8plug.Accelerator)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
+    "rescale_layer": "rescale_layer(model, fqn, scaling) -> module: move one converted Linear to another of the "
+                     "engine's scalings (a finer one) or to high precision ('bf16') between steps, keeping its "
+                     "parameters (a numerics guard's remedy)",
 }
 
 
@@ -222,6 +225,15 @@ class Engine:
             f"the {self.title} engine takes an fp8plug.FP8RecipeKwargs or its own {self.plan_class.__name__}, "
             f"not {type(plan).__name__}."
         )
+
+    def offers_scaling(self, scaling) -> bool:
+        """Whether FP8RecipeKwargs.scaling = `scaling` names a recipe of this engine (None: its
+        default, always): what the automatic choice asks before it picks an engine."""
+        try:
+            self.scaling_name(scaling)
+        except ValueError:
+            return False
+        return True
 
     def scaling_name(self, scaling: Optional[str]) -> str:
         """The scaling recipe this engine will use for FP8RecipeKwargs.scaling = `scaling`: that

@@ -66,8 +66,10 @@ def install_plain_state_dict(model: nn.Module, engine: "Engine") -> nn.Module:
 # The recipe fields that the saved FP8 state depends on: the engine and its scaling (what the
 # tensors are), the format a scale was worked out for, and those of delayed scaling's settings
 # its arithmetic depends on (fp8plug.recipe.scalings: the margin, the history's length, how an
-# amax is read from it, how often the scale is updated).
-RECIPE_FIELDS = ("backend", "scaling", "fp8_format", *DELAYED_STATE_FIELDS)
+# amax is read from it, how often the scale is updated); and which layer runs which scaling
+# (layer_scaling: fp8plug.recipe.layer_scaling).
+RECIPE_FIELDS = ("backend", "scaling", "fp8_format", *DELAYED_STATE_FIELDS, "layer_scaling")
+WHERE_GIVEN = ("layer_scaling",)  # recorded only where set: a record without it means none
 
 
 def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
@@ -77,6 +79,9 @@ def recipe_record(engine: "Engine", recipe) -> Dict[str, Any]:
     record["backend"] = engine.name
     given = recipe.scaling  # a mode per tensor is kept as such: it is what the FP8 state was made under
     record["scaling"] = "/".join(given) if isinstance(given, tuple) else engine.scaling_name(given)
+    rules = record.pop("layer_scaling", None)  # recorded only where given: every layer's scaling is the recipe's
+    if rules:
+        record["layer_scaling"] = [list(rule) for rule in rules]  # plain lists: weights_only loads them
     return record
 
 
@@ -129,9 +134,10 @@ class FP8CheckpointState:
             )
             return
         ours = recipe_record(self.engine, self.recipe)
-        differ = [name for name in RECIPE_FIELDS if name in saved_recipe and saved_recipe[name] != ours[name]]
+        differ = [name for name in RECIPE_FIELDS if (name in saved_recipe or name in WHERE_GIVEN)
+                  and saved_recipe.get(name) != ours.get(name)]
         if differ:
-            fields = ", ".join(f"{name}={saved_recipe[name]!r} (this run: {ours[name]!r})" for name in differ)
+            fields = ", ".join(f"{name}={saved_recipe.get(name)!r} (this run: {ours.get(name)!r})" for name in differ)
             raise ValueError(
                 f"{where} was saved under FP8RecipeKwargs {fields}; its scaling state would be wrong "
                 "under this run's recipe. Resume with the saved value(s), or pass "

@@ -137,7 +137,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             # compiled: known only with a dynamo backend; otherwise the user may still compile the
             # model themselves, before or after prepare, so the choice is for either (None)
             self.fp8_selection = select_backend(recipe.backend, device=self.device,
-                                                compiled=True if self._compiles_model() else None)
+                                                compiled=True if self._compiles_model() else None,
+                                                scaling=recipe.scaling)
             self.fp8_engine = self.fp8_selection.backend
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
             if self.fp8_selection.mode and is_main_process():

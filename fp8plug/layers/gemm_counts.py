@@ -129,6 +129,10 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
 
         {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
 
+with "scalings": {fqn: scaling word} too where the layers name their scaling by one word (the
+native engine's: per-layer scaling, or a guard's change, shows there).
+
+
     counted per forward call since conversion or the last reset (what counts as a call:
     docs/troubleshooting.md). `reset=True` zeroes the counts after reading them, e.g. once per
     logging interval.
@@ -149,11 +153,17 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
                 for _, counts in found:
                     counts.zero_()
         layers = {fqn: (int(fp8), int(hp)) for (fqn, _), (fp8, hp) in zip(found, values)}
-    return {
+    # each layer's scaling, where its module names it by one word (per-layer scaling, a guard's change)
+    scalings = {fqn: m.scaling for fqn, m in model.named_modules()
+                if has_gemm_counter(m) and isinstance(getattr(m, "scaling", None), str)}
+    coverage = {
         "fp8_gemms": sum(fp8 for fp8, _ in layers.values()),
         "high_precision_gemms": sum(hp for _, hp in layers.values()),
         "layers": layers,
     }
+    if scalings:
+        coverage["scalings"] = scalings
+    return coverage
 
 
 __all__ = ["COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter", "use_engine_lookup"]

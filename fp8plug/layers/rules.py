@@ -62,7 +62,8 @@ class ConversionReport:
 
     def __str__(self) -> str:
         lines = [f"{self.backend}: converted {len(self.converted)} module(s), skipped {len(self.skipped)}"]
-        lines += [f"  converted {name}" for name in self.converted]
+        lines += [f"  converted {name}" + (f": {self.notes[name]}" if self.notes.get(name) else "")
+                  for name in self.converted]
         lines += [f"  skipped   {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
 from fp8plug.recipe.checks import Integer, OneOf, parse_bool  # noqa: E402
 from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
 from fp8plug.recipe.environment import from_environment  # noqa: E402
+from fp8plug.recipe.layer_scaling import check_layer_scaling  # noqa: E402
 from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: for importers of this module)
     AMAX_COMPUTE_ALGOS,
     DELAYED_CHECKS,
@@ -50,6 +51,7 @@ DEFAULTS = {
     "auto_filter_tokens": None,
     "skip_causal_mask": True,
     "fp8_dpa": False,
+    "layer_scaling": None,
     **DELAYED_DEFAULTS,
 }
 # What each field that only some engines read applies to: the reason in the warning an engine
@@ -60,6 +62,7 @@ APPLIES_TO = {
     "enable_fsdp_float8_all_gather": "FSDP2 (backend='ao' or 'native')",
     "pad_inner_dim": "torchao (backend='ao')",
     "ao_config": "torchao (backend='ao')",
+    "layer_scaling": "per-layer scaling, which the native engine runs (backend='native')",
 }
 
 def normalize_backend(value, label: str = "FP8RecipeKwargs.backend") -> Optional[str]:
@@ -111,6 +114,8 @@ class FP8RecipeKwargs(KwargsHandler):
         auto_filter_tokens: the tokens per GPU per step the filter assumes (default 8192).
         skip_causal_mask: SDPA's is_causal instead of a built causal mask (default True).
         fp8_dpa: FP8 attention through TransformerEngine (default False).
+        layer_scaling: per-layer scaling (native): {module-name fnmatch pattern: scaling word or
+            "bf16"}, the first matching pattern deciding (fp8plug.recipe.layer_scaling).
 
     Accelerate's own names are accepted too (ACCELERATE_NAMES): module_filter_func, config,
     amax_history_length, amax_compute_algorithm, optimization_level, use_mxfp8_block_scaling.
@@ -137,6 +142,7 @@ class FP8RecipeKwargs(KwargsHandler):
     reduce_amax: Optional[bool] = None
     skip_causal_mask: Optional[bool] = None
     fp8_dpa: Optional[bool] = None
+    layer_scaling: Optional[Any] = None
     # Accelerate's names for fields above, in ACCELERATE_NAMES's order; taken in __post_init__.
     module_filter_func: InitVar[Optional[Callable]] = None
     config: InitVar[Optional[object]] = None
@@ -347,6 +353,7 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "auto_filter_tokens": _optional(Integer(1, 2**31 - 1, "it is a GEMM dimension and must fit in int32")),
     "skip_causal_mask": parse_bool,
     "fp8_dpa": parse_bool,
+    "layer_scaling": check_layer_scaling,
     **DELAYED_CHECKS,
 }
 

@@ -185,6 +185,13 @@ class AOEngine(Engine):
                 f"FP8RecipeKwargs.scaling: {scaling!r} is not a torchao float8 recipe (torchao scales "
                 f"every tensor dynamically); use one of {', '.join(self.scalings)}{hint}."
             )
+        if scaling == "blockwise":
+            raise ValueError(
+                "FP8RecipeKwargs.scaling: 'blockwise' is not a torchao float8 recipe (torchao 0.18's blockwise "
+                "training is a prototype, torchao.prototype.blockwise_fp8_training, outside Float8LinearConfig); "
+                f"use one of {', '.join(self.scalings)}, or backend='native' or 'te' for blockwise (backend=None "
+                "chooses one that has it)."
+            )
         return super().scaling_name(scaling)
 
     def why_ignored(self, name: str, scaling: str) -> str:

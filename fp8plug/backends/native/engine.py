@@ -1,8 +1,9 @@
 """The `native` engine: fp8plug's own FP8 Linear, needing nothing but torch.
 
 Per-tensor scaling, dynamic or delayed with TransformerEngine's DelayedScaling semantics
-(backends.native.scaling); the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact
-emulation on the CPU (backends.gemm). Scaling state lives in non-persistent buffers, so the state
+(backends.native.scaling), or finer: per row or per tile and block (backends.native.granular);
+the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU
+(backends.gemm). Scaling state lives in non-persistent buffers, so the state
 dict is the plain Linear's, and the forward is branch-free tensor code that compiles with
 fullgraph=True. Eagerly on CUDA it also does what torch.compile would: Llama-style RMSNorms fused
 (backends.native.fused_norm) and one cast per shared input (backends.native.shared_input).
@@ -19,7 +20,7 @@ from torch import nn
 
 from fp8plug.backends.base import Engine, Probe
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
-from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, shared_input
+from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular, shared_input
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
 from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
 from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
@@ -41,6 +42,7 @@ from fp8plug.layers.rules import (
     swap_modules,
 )
 from fp8plug.recipe.kwargs import DEFAULTS
+from fp8plug.recipe.layer_scaling import HIGH_PRECISION, bf16_filter, word_for
 from fp8plug.recipe.plans import DelayedScalingPlan, Settings
 from fp8plug.recipe.scalings import DELAYED_FIELDS, DelayedScaling, delayed_values
 
@@ -164,12 +166,14 @@ class NativeFP8Linear(nn.Linear):
 
     def _setup_fp8(self, scaling, fp8_format="HYBRID", override_linear_precision=(False, False, False),
                    **delayed_scaling):
-        # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes.
-        modes = (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
+        # One mode for all three tensors, or a (input, weight, grad_output) tuple of modes; a finer
+        # granularity (backends.native.granular) scales every tensor from its current values.
+        self.granular = scaling if isinstance(scaling, str) and scaling in granular.GRANULAR else None
+        modes = ("dynamic",) * 3 if self.granular else (scaling,) * 3 if isinstance(scaling, str) else tuple(scaling)
         if len(modes) != 3 or any(mode not in ("delayed", "dynamic") for mode in modes):
             raise ValueError(
-                f"NativeFP8Linear: scaling {scaling!r} is not 'delayed' or 'dynamic', nor a tuple of "
-                "three of them (input, weight, grad_output)."
+                f"NativeFP8Linear: scaling {scaling!r} is not 'delayed', 'dynamic', one of "
+                f"{', '.join(granular.GRANULAR)}, nor a tuple of three of the first two (input, weight, grad_output)."
             )
         self.scaling = scaling if isinstance(scaling, str) else modes
         self.scaling_modes = modes
@@ -256,6 +260,9 @@ class NativeFP8Linear(nn.Linear):
         self.materialise_fp8_state()
         if not self.runs_fp8(x):
             return super().forward(x)
+        if self.granular:  # per-row or per-tile scales (backends.native.granular)
+            forward = lambda rows: granular.granular_forward(self, rows, self._out_dtype(x))  # noqa: E731
+            return pad_tokens(forward, x, granular.token_multiple(self.granular))
         # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
         return pad_tokens(self._fp8_forward, x, ALIGNMENT)
 
@@ -329,15 +336,19 @@ class NativePlan(DelayedScalingPlan):
     fp8_format: str = DEFAULTS["fp8_format"]
     tensor_scalings: Optional[Tuple[str, str, str]] = None
     fsdp_float8_all_gather: bool = False
+    layer_scaling: Optional[Tuple[Tuple[str, str], ...]] = None  # (pattern, word): fp8plug.recipe.layer_scaling
 
     def describe_scaling(self) -> str:
-        return "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
+        text = "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
+        return f"{text}, per layer {dict(self.layer_scaling)}" if self.layer_scaling else text
 
-    def layer_options(self) -> dict:
-        """NativeFP8Linear's keyword options."""
+    def layer_options(self, fqn: Optional[str] = None) -> dict:
+        """NativeFP8Linear's keyword options (for module `fqn`, where layer_scaling names it)."""
+        word = word_for(self.layer_scaling, fqn) if fqn is not None else None
         return dict(
-            scaling=self.tensor_scalings or self.scaling or NativeEngine.scalings[0], fp8_format=self.fp8_format,
-            override_linear_precision=self.override_linear_precision, **delayed_values(self),
+            scaling=word or self.tensor_scalings or self.scaling or NativeEngine.scalings[0],
+            fp8_format=self.fp8_format, override_linear_precision=self.override_linear_precision,
+            **delayed_values(self),
         )
 
 
@@ -348,10 +359,11 @@ class NativeEngine(Engine):
     title = "fp8plug native (torch._scaled_mm)"
     install_hint = "pip install fp8plug  (needs only torch >= 2.5)"
     runs_on_cpu = True
-    scalings = ("delayed", "dynamic")
-    honours = frozenset({"fp8_format", "override_linear_precision", "use_autocast_during_eval",
-                         "enable_fsdp_float8_all_gather"})
-    honours_by_scaling = {"delayed": frozenset(DELAYED_FIELDS)}  # dynamic scaling has no history, margin or interval
+    scalings = ("delayed", "dynamic", *granular.GRANULAR)
+    honours = frozenset({"override_linear_precision", "use_autocast_during_eval", "enable_fsdp_float8_all_gather",
+                         "layer_scaling"})
+    # dynamic scaling has no history, margin or interval; the finer ones are E4M3 throughout too
+    honours_by_scaling = {"delayed": frozenset({"fp8_format", *DELAYED_FIELDS}), "dynamic": frozenset({"fp8_format"})}
     plan_class = NativePlan
 
     def probe(self) -> Probe:
@@ -367,30 +379,65 @@ class NativeEngine(Engine):
             return "delayed" if "delayed" in scaling else "dynamic"
         return super().scaling_name(scaling)
 
+    def acts_as(self, name: str, scaling: str):
+        if scaling in granular.GRANULAR and name == "fp8_format":
+            return "E4M3"
+        return super().acts_as(name, scaling)
+
+    def why_ignored(self, name: str, scaling: str) -> str:
+        if scaling in granular.GRANULAR and name == "fp8_format":
+            return f"{scaling} scaling casts every operand to E4M3, gradients included (as torchao and DeepSeek-V3 do)"
+        if scaling in granular.GRANULAR and name in DELAYED_FIELDS:
+            return (f"{scaling} scaling is dynamic: every row or tile is scaled from its current values, so delayed "
+                    "scaling's settings (margin, history, interval) do not apply; use scaling='delayed' for them")
+        return super().why_ignored(name, scaling)
+
     def make_plan(self, settings: Settings) -> NativePlan:
         delayed = {name: getattr(settings, name) for name in self.honoured(settings.scaling) & set(DELAYED_FIELDS)}
         given = settings.values["scaling"]  # the recipe's own value: a tuple gives one mode per tensor
+        rules = settings.layer_scaling
         # FSDP2's FP8 all-gather only where asked for as an argument: `accelerate launch` exports the
         # field as true by default (for torchao), and native's default stays the bf16 all-gather
-        return NativePlan(fp8_format=settings.fp8_format, override_linear_precision=settings.override_linear_precision,
+        all_gather = bool(settings.argument("enable_fsdp_float8_all_gather"))
+        for word in {settings.scaling, *(w for _, w in rules or ())} - {HIGH_PRECISION}:
+            problem = granular.device_problem(word, settings.device)
+            if problem:
+                raise ValueError(f"FP8RecipeKwargs.scaling={word!r} cannot run here: {problem}.")
+            if word not in self.scalings:
+                raise ValueError(f"FP8RecipeKwargs.layer_scaling: {word!r} is not a {self.title} scaling; use one "
+                                 f"of {', '.join(self.scalings)} or 'bf16'.")
+            if all_gather and word in granular.GRANULAR:
+                raise ValueError(f"FP8RecipeKwargs.enable_fsdp_float8_all_gather: gathers per-tensor FP8 weights, "
+                                 f"while {word} scaling casts each weight from high precision; drop one of them.")
+        fp8_format = settings.fp8_format if "fp8_format" in self.honoured(settings.scaling) else "E4M3"
+        return NativePlan(fp8_format=fp8_format, override_linear_precision=settings.override_linear_precision,
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None,
-                          fsdp_float8_all_gather=bool(settings.argument("enable_fsdp_float8_all_gather")), **delayed)
+                          fsdp_float8_all_gather=all_gather, layer_scaling=rules or None, **delayed)
 
     def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
         """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
         kernels hand their output's amax to the cast of the layers reading it (backends._fused_norm)."""
         plan = self.plan_of(plan)
-        options = plan.layer_options()
+        names = {id(m): fqn for fqn, m in model.named_modules()}  # per-layer scaling (layer_scaling)
         norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()
         eligible = dict.fromkeys(norms, fused_norm.norm_problem)
         if linear:
-            eligible[nn.Linear] = linear_alignment_problem
+            def linear_problem(m):
+                scaling = plan.layer_options(names.get(id(m)))["scaling"]
+                return linear_alignment_problem(m) or (
+                    granular.feature_problem(scaling, m.in_features, m.out_features) if isinstance(scaling, str)
+                    else None)
+            eligible[nn.Linear] = linear_problem
         if not eligible:
             return ConversionReport(self.name)
         targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
-                                          plan.module_filter_fn, unfiltered=norms)
-        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **options)
-                              if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
+                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms)
+        for fqn, _ in targets:
+            word = word_for(plan.layer_scaling, fqn)
+            if word:
+                report.notes[fqn] = f"{word} (layer_scaling)"
+        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **plan.layer_options(
+            names.get(id(m)))) if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         linears = set(report.linears)
@@ -414,6 +461,35 @@ class NativeEngine(Engine):
 
     def is_converted(self, module: nn.Module) -> bool:
         return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm))
+
+    def rescale_layer(self, model: nn.Module, fqn: str, scaling: str) -> nn.Module:
+        """Move one converted Linear (`fqn`) to `scaling` (one of `scalings`) or to high precision
+        ("bf16": a plain nn.Linear), between steps, keeping its Parameter objects (the optimizer
+        stays valid). Its FP8 scaling state starts afresh (a finer scaling has none; delayed
+        scaling scales from the current amax until its first update). A compiled model
+        recompiles that layer's graph on its next call. Returns the module now at `fqn`. The
+        caller records the decision where it must survive a restart (the recipe's layer_scaling
+        converts a fresh model the same way)."""
+        module = model.get_submodule(fqn)
+        if not isinstance(module, NativeFP8Linear):
+            raise ValueError(f"rescale_layer: {fqn!r} is a {type(module).__name__}, not a native FP8 Linear.")
+        word = str(scaling).strip().lower()
+        if word == HIGH_PRECISION:
+            new = plain_linear(module, fsdp_fp8.unwrap_weight(module), module.bias)
+            replace_module(model, fqn, new)
+            return new
+        if word not in self.scalings:
+            raise ValueError(f"rescale_layer: {scaling!r} is not a native scaling; use one of "
+                             f"{', '.join(self.scalings)} or 'bf16'.")
+        problem = granular.feature_problem(word, module.in_features, module.out_features)
+        if problem:
+            raise ValueError(f"rescale_layer: {fqn!r} cannot run {word}: {problem}.")
+        options = dict(override_linear_precision=module.override_linear_precision,
+                       fp8_format=module.fp8_format, **delayed_values(module.delayed_scaling))
+        module._setup_fp8(word, **options)
+        untrack_for_sync(module)  # tracked with the model it is in, whose list of delayed layers is renewed
+        track_for_sync(model, self)
+        return module
 
     def autocast(self, plan=None, enabled: bool = True):
         return fp8_region(enabled)

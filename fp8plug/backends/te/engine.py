@@ -184,6 +184,19 @@ class TEEngine(Engine):
         if problem:
             raise ValueError(problem)
 
+    def scaling_name(self, scaling) -> str:
+        """TE's names, plus the words every engine shares: "blockwise" is TE's Float8BlockScaling
+        ("block"); "rowwise" TE does not offer on Hopper (an error naming the engines that do)."""
+        if scaling == "blockwise":
+            return "block"
+        if scaling in ("rowwise", "rowwise_with_gw_hp"):
+            raise ValueError(
+                f"FP8RecipeKwargs.scaling: {scaling!r} is not a TransformerEngine recipe (TE has no per-row FP8 "
+                "scaling on Hopper; its finer ones are 'block' = 'blockwise', and 'mxfp8' on Blackwell); use "
+                "backend='native' or 'ao' for rowwise, or backend=None to choose one that has it."
+            )
+        return super().scaling_name(scaling)
+
     def acts_as(self, name: str, scaling: str):
         if scaling == "nvfp4" and name == "fp8_format":
             return "E4M3"  # NVFP4's block scales are E4M3

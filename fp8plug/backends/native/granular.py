@@ -1,0 +1,292 @@
+"""Finer FP8 scaling for the native engine: one scale per row (`rowwise`, `rowwise_with_gw_hp`) or
+per tile and block (`blockwise`, DeepSeek-V3's recipe), instead of one per tensor.
+
+Why: one scale per tensor is set by the tensor's largest value, so a few outlier rows or channels
+(which LLM activations grow as training goes on) push every other value towards FP8's
+subnormals. A scale per row, or per 1x128 tile, confines an outlier's damage to its own row or
+tile.
+
+Every operand of every GEMM is scaled along that GEMM's reduction dimension K (a scale that
+varied along K could not be taken out of the dot product), always from the current tensor
+(dynamic: there is no history to delay from), and cast to E4M3 (torchao's rowwise recipes and
+DeepSeek-V3 both use E4M3 for gradients too). Written as `out[M, N] = A[M, K] @ B[N, K].T`:
+
+  word                 fprop x / w               dgrad grad / w            wgrad grad.T / x.T
+  rowwise              row / row                 row / row of w.T          row / row
+  rowwise_with_gw_hp   row / row                 row / whole tensor        high precision (bf16)
+  blockwise            1x128 / 128x128           1x128 / 128x128           1x128 / 1x128
+
+(torchao 0.18's Float8LinearRecipeName ROWWISE and ROWWISE_WITH_GW_HP, both with scales rounded
+down to powers of two; DeepSeek-V3's blockwise with float32 scales.) The backward operands are
+cast from high precision along their own reduction axis in forward and kept in FP8, not
+re-scaled from forward's FP8 copy; a 128x128 block is the same block of w.T, so the weight is
+cast once.
+
+The GEMMs: `torch._scaled_mm` with [M, 1] x [1, N] float32 scales (rowwise, bf16 output) and
+`torch.nn.functional.scaled_mm` with ScalingType.BlockWise1x128 / BlockWise128x128 (sm_90, CUDA
+12.9+) on a GPU; on the CPU their exact emulation: each operand dequantised with its scales
+(every tile and block, partial ones at the edges included) and one float32 GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from fp8plug.backends.gemm import emulates, fp8_to_float
+from fp8plug.backends.native.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
+
+GRANULAR = ("rowwise", "rowwise_with_gw_hp", "blockwise")
+BLOCK = 128
+ROW, TENSOR, TILE, SQUARE = "row", "tensor", "1x128", "128x128"  # how an operand [rows, K] is scaled
+POWER_OF_TWO = {"rowwise": True, "rowwise_with_gw_hp": True, "blockwise": False}
+# how (fprop, dgrad, wgrad) scale (A, B); None: that GEMM in high precision
+GEMMS = {
+    "rowwise": ((ROW, ROW), (ROW, ROW), (ROW, ROW)),
+    "rowwise_with_gw_hp": ((ROW, ROW), (ROW, TENSOR), None),
+    "blockwise": ((TILE, SQUARE), (TILE, SQUARE), (TILE, TILE)),
+}
+
+
+def token_multiple(scaling: str) -> int:
+    """The token count a granular layer pads to: 128 for blockwise (the tokens are wgrad's
+    reduction dimension, scaled in 1x128 tiles), else the GEMM's 16."""
+    return BLOCK if scaling == "blockwise" else 16
+
+
+def feature_problem(scaling: str, in_features: int, out_features: int) -> Optional[str]:
+    """Why a Linear cannot run with `scaling` (None if it can): blockwise's 128x128 weight blocks
+    and 1x128 tiles need in and out features divisible by 128."""
+    if scaling == "blockwise" and (in_features % BLOCK or out_features % BLOCK):
+        return (f"in_features={in_features}, out_features={out_features} not both divisible by {BLOCK} "
+                "(blockwise scaling's 128x128 weight blocks)")
+    return None
+
+
+def blockwise_gemm_problem(capability, cuda_version) -> Optional[str]:
+    """Why torch cannot run blockwise-scaled GEMMs on this CUDA device (None if it can)."""
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType") or not hasattr(F.ScalingType, "BlockWise1x128"):
+        return (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 "
+                "(torch 2.10 or newer)")
+    if capability != (9, 0):
+        return f"torch's blockwise-scaled FP8 GEMM runs on sm_90 (Hopper) only, not sm_{capability[0]}{capability[1]}"
+    try:
+        major, minor = (int(p) for p in str(cuda_version).split(".")[:2])
+    except ValueError:
+        return None
+    if (major, minor) < (12, 9):
+        return f"torch is built for CUDA {cuda_version}; blockwise-scaled GEMMs need cuBLAS from CUDA 12.9 or newer"
+    return None
+
+
+def device_problem(word: str, device) -> Optional[str]:
+    """Why scaling `word` cannot run on `device` (a DeviceInfo), or None: the finer scalings need
+    torch's rowwise (sm_90 or newer) or blockwise (sm_90, CUDA 12.9+) FP8 GEMMs on a GPU; the CPU
+    emulates them."""
+    if device.type != "cuda" or word not in GRANULAR or device.capability is None:
+        return None
+    if word == "blockwise":
+        return blockwise_gemm_problem(device.capability, device.cuda_version)
+    if device.capability < (9, 0):
+        major, minor = device.capability
+        return f"torch's rowwise-scaled FP8 GEMM needs sm_90 or newer, not sm_{major}{minor}"
+    return None
+
+
+# --- one operand ---------------------------------------------------------------------------------------
+
+
+def _tile(kind: str, rows: int, cols: int) -> Tuple[int, int]:
+    return {ROW: (1, cols), TENSOR: (rows, cols), TILE: (1, BLOCK), SQUARE: (BLOCK, BLOCK)}[kind]
+
+
+def expand_scales(s: torch.Tensor, kind: str, rows: int, cols: int) -> torch.Tensor:
+    """Per-tile values `s` ([ceil(rows/r), ceil(cols/c)] for tiles r x c) repeated over each
+    tile's elements, cut to [rows, cols]."""
+    r, c = _tile(kind, rows, cols)
+    return s.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
+
+
+def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(t [rows, K] in E4M3, the inverse scales: one float32 per tile of `kind`, shaped
+    [ceil(rows/r), ceil(K/c)]). Each tile's scale is E4M3's max over the tile's amax (floored to a
+    power of two where `power_of_two`, as torchao's rowwise recipes do); an all-zero or
+    non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize). On the
+    CPU one operator torch.compile calls as it is: torch 2.13's CPU inductor failed to generate
+    code for the tile reduction traced into it (its loop split); GPU compilers fuse it."""
+    if t.device.type == "cpu" and torch.compiler.is_compiling():
+        return _cpu_cast_tiles(t.detach(), kind, power_of_two)
+    return _cast_tiles(t, kind, power_of_two)
+
+
+@torch.library.custom_op("fp8plug::cpu_cast_tiles", mutates_args=())
+def _cpu_cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _cast_tiles(t, kind, power_of_two)
+
+
+@_cpu_cast_tiles.register_fake
+def _(t, kind, power_of_two):
+    rows, cols = t.shape
+    r, c = _tile(kind, rows, cols)
+    return t.new_empty((rows, cols), dtype=E4M3), t.new_empty((-(-rows // r), -(-cols // c)), dtype=torch.float32)
+
+
+def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    t = t.detach()
+    rows, cols = t.shape
+    r, c = _tile(kind, rows, cols)
+    pad_r, pad_c = -rows % r, -cols % c
+    padded = F.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
+    tiles = padded.reshape((rows + pad_r) // r, r, (cols + pad_c) // c, c)
+    amax = tiles.abs().amax(dim=(1, 3)).float()
+    scale = scale_from_amax(amax, FP8_MAX[E4M3])
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    t_fp8 = quantize(tiles, scale[:, None, :, None], E4M3).reshape(rows + pad_r, cols + pad_c)
+    if pad_r or pad_c:
+        t_fp8 = t_fp8[:rows, :cols]
+    # row-major whatever t's layout (a transposed input's view keeps its strides through the
+    # element-wise ops): the GEMM reads each operand K-contiguous
+    return t_fp8.contiguous(), scale.reciprocal().contiguous()
+
+
+def dequantize(t_fp8: torch.Tensor, inv: torch.Tensor, kind: str) -> torch.Tensor:
+    """The real values an FP8 operand and its per-tile inverse scales stand for, in float32."""
+    rows, cols = t_fp8.shape
+    return fp8_to_float(t_fp8) * expand_scales(inv, kind, rows, cols)
+
+
+# --- one GEMM ------------------------------------------------------------------------------------------
+
+
+def granular_mm(a, a_inv, a_kind: str, b, b_inv, b_kind: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """A [M, K] @ B [N, K].T from FP8 operands (both K-contiguous) and their per-tile inverse
+    scales: torch's FP8 GEMM on a GPU, its emulation (dequantise, one float32 GEMM) on the CPU."""
+    if emulates(a.device):
+        return _emulated_granular_mm(a, a_inv, a_kind, b, b_inv, b_kind, out_dtype)
+    if a_kind in (ROW, TENSOR):  # rowwise: [M, 1] and [1, N] float32 scales, bf16 output (torch's rule)
+        sa = a_inv.expand(a.shape[0], 1).contiguous()
+        sb = b_inv.expand(b.shape[0], 1).reshape(1, -1).contiguous()
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return out.to(out_dtype)
+    kinds = F.ScalingType
+    sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major
+    if b_kind == SQUARE:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
+        nb, kb = b_inv.shape
+        sb = b_inv.new_ones(nb, -(-kb // 4) * 4)
+        sb[:, :kb] = b_inv
+        sb, recipe_b = sb.t(), kinds.BlockWise128x128
+    else:
+        sb, recipe_b = b_inv.t().contiguous().t(), kinds.BlockWise1x128
+    out = F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
+                      scale_recipe_b=recipe_b, output_dtype=torch.bfloat16)  # bf16 out, as torchao asks of it
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("fp8plug::emulated_granular_mm", mutates_args=())
+def _emulated_granular_mm(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b: torch.Tensor, b_inv: torch.Tensor,
+                          b_kind: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The emulation, one operator that torch.compile calls as it is (as backends.gemm's): torch
+    2.13's CPU inductor failed to generate code for the tile-wise dequantisation traced into it."""
+    return torch.mm(dequantize(a, a_inv, a_kind), dequantize(b, b_inv, b_kind).t()).to(out_dtype)
+
+
+@_emulated_granular_mm.register_fake
+def _(a, a_inv, a_kind, b, b_inv, b_kind, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --- the linear ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GranularConfig:
+    """What _GranularLinear needs besides tensors: the scaling word, the GEMMs' output dtype, and
+    which GEMMs run in high precision (fprop, dgrad, wgrad: the recipe's override_linear_precision,
+    and rowwise_with_gw_hp's wgrad). Frozen: a constant of a compiled graph."""
+
+    scaling: str
+    out_dtype: torch.dtype
+    override: Tuple[bool, bool, bool]
+
+    def high(self, gemm: int) -> bool:
+        return self.override[gemm] or GEMMS[self.scaling][gemm] is None
+
+
+class _GranularLinear(torch.autograd.Function):
+    """y = x @ w.T with per-row or per-tile FP8 scaling in all three GEMMs (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, config: GranularConfig):
+        gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
+        if config.high(0):
+            out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
+        else:
+            (xa, wb) = gemms[0]
+            x_fp8, x_inv = cast_tiles(x, xa, pow2)
+            w_fp8, w_inv = cast_tiles(weight, wb, pow2)
+            out = granular_mm(x_fp8, x_inv, xa, w_fp8, w_inv, wb, config.out_dtype)
+        saved = []
+        if ctx.needs_input_grad[0] and not config.high(1):  # w.T [K, N] scaled along N
+            kind = gemms[1][1]
+            if kind == SQUARE and not config.high(0):  # the same blocks, transposed
+                saved += [w_fp8.t().contiguous(), w_inv.t().contiguous()]
+            else:
+                saved += list(cast_tiles(weight.t(), kind, pow2))
+        if ctx.needs_input_grad[1] and not config.high(2):  # x.T [K, M] scaled along M
+            saved += list(cast_tiles(x.t(), gemms[2][1], pow2))
+        high = (x if ctx.needs_input_grad[1] and config.high(2) else None,
+                weight if ctx.needs_input_grad[0] and config.high(1) else None)
+        ctx.save_for_backward(*saved, *(t for t in high if t is not None))
+        ctx.config = config
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        config: GranularConfig = ctx.config
+        gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
+        saved = list(ctx.saved_tensors)
+        x_dtype, w_dtype = ctx.dtypes
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            if config.high(1):
+                weight = saved.pop()
+                grad_x = grad_out.to(config.out_dtype) @ weight.to(config.out_dtype)
+            else:
+                w_t, w_t_inv = saved[0], saved[1]
+                ga, wb = gemms[1]
+                g_fp8, g_inv = cast_tiles(grad_out, ga, pow2)
+                grad_x = granular_mm(g_fp8, g_inv, ga, w_t, w_t_inv, wb, config.out_dtype)
+                saved = saved[2:]
+            grad_x = grad_x.to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            if config.high(2):
+                x = saved.pop()
+                grad_w = grad_out.to(config.out_dtype).t() @ x.to(config.out_dtype)
+            else:
+                x_t, x_t_inv = saved[0], saved[1]
+                ga, xb = gemms[2]
+                g_t_fp8, g_t_inv = cast_tiles(grad_out.t(), ga, pow2)
+                grad_w = granular_mm(g_t_fp8, g_t_inv, ga, x_t, x_t_inv, xb, config.out_dtype)
+            grad_w = grad_w.to(w_dtype)
+        return grad_x, grad_w, None
+
+
+def granular_linear(x2: torch.Tensor, weight: torch.Tensor, scaling: str, out_dtype: torch.dtype,
+                    override: Tuple[bool, bool, bool] = (False, False, False)) -> torch.Tensor:
+    """x2 [M, K] @ weight.T with `scaling` (one of GRANULAR) in every GEMM, in `out_dtype`."""
+    return _GranularLinear.apply(x2, weight, GranularConfig(scaling, out_dtype, tuple(override)))
+
+
+def granular_forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A NativeFP8Linear's FP8 forward with its granular scaling (`layer.granular`), on x's
+    tokens already padded (backends.padding, to `token_multiple`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = granular_linear(x2, layer.weight, layer.granular, out_dtype, layer.override_linear_precision)
+    if layer.bias is not None:
+        out = out + layer.bias.to(out_dtype)
+    return out.reshape(*x.shape[:-1], layer.out_features)

@@ -1,0 +1,121 @@
+"""Finer scaling on a GPU: torch's rowwise and blockwise FP8 GEMMs against the CPU emulation and
+fp32, TransformerEngine's Float8BlockScaling and torchao's rowwise through the same recipe words,
+and a tiny Llama's training step per word (skipped without an sm_90 GPU)."""
+
+import pytest
+import torch
+
+from fp8plug import FP8RecipeKwargs, convert_model, fp8_coverage
+from fp8plug.backends.native import granular
+from fp8plug.tuning.hardware import device_info
+from tests.support.numerics import sqnr_db
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs an sm_90 (Hopper) GPU")
+
+
+def blockwise_problem():
+    info = device_info("cuda")
+    return granular.blockwise_gemm_problem(info.capability, info.cuda_version)
+
+
+def needs(word):
+    if word == "blockwise" and blockwise_problem():
+        pytest.skip(blockwise_problem())
+
+
+@pytest.mark.parametrize("word", granular.GRANULAR)
+@pytest.mark.parametrize("shape", [(256, 512, 384), (4096, 1024, 2048)])
+def test_the_gpu_gemms_match_the_emulation_and_fp32(word, shape):
+    """All three GEMMs on the GPU against the same layer emulated on the CPU (same FP8 bytes, the
+    GPU accumulating differently, writing bf16: > 40 dB) and against fp32 (> 25 dB)."""
+    needs(word)
+    m, k, n = shape
+    torch.manual_seed(0)
+    x, w, g = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(m, n)
+    results = {}
+    for device in ("cuda", "cpu"):
+        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        out = granular.granular_linear(xd, wd, word, torch.float32)
+        out.backward(g.to(device))
+        results[device] = [t.detach().cpu() for t in (out, xd.grad, wd.grad)]
+    x32, w32 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = x32 @ w32.t()
+    ref.backward(g)
+    for gpu, cpu, exact in zip(results["cuda"], results["cpu"], (ref, x32.grad, w32.grad)):
+        assert sqnr_db(gpu, cpu) > 40, sqnr_db(gpu, cpu)  # the GPU writes bf16 and accumulates its own way
+        assert sqnr_db(gpu, exact) > 25, sqnr_db(gpu, exact)
+
+
+def test_blockwise_scale_layouts_reach_torch_unchanged():
+    """1x128 x 128x128 (forward, dgrad) and 1x128 x 1x128 (wgrad), K not a multiple of 512 (the
+    128x128 scales' K blocks padded to a multiple of 4): bf16 output against the emulation."""
+    needs("blockwise")
+    torch.manual_seed(1)
+    a, b = torch.randn(256, 640, device="cuda"), torch.randn(384, 640, device="cuda")
+    for kb in (granular.SQUARE, granular.TILE):
+        qa, sa = granular.cast_tiles(a, granular.TILE, False)
+        qb, sb = granular.cast_tiles(b, kb, False)
+        gpu = granular.granular_mm(qa, sa, granular.TILE, qb, sb, kb, torch.bfloat16).float().cpu()
+        cpu = granular.granular_mm(qa.cpu(), sa.cpu(), granular.TILE, qb.cpu(), sb.cpu(), kb, torch.float32)
+        assert sqnr_db(gpu, cpu) > 40, (kb, sqnr_db(gpu, cpu))
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256, max_position_embeddings=128)
+    return LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+
+
+def train_losses(model, steps=8):
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ids = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("engine,word", [("native", "rowwise"), ("native", "rowwise_with_gw_hp"),
+                                         ("native", "blockwise"), ("ao", "rowwise"), ("ao", "rowwise_with_gw_hp"),
+                                         ("te", "blockwise")])
+def test_a_tiny_llama_trains_with_each_word_on_each_engine(engine, word):
+    if engine == "native":
+        needs(word)
+    if engine == "te":
+        pytest.importorskip("transformer_engine.pytorch")
+    reference = train_losses(tiny_llama())
+    model = tiny_llama()
+    report = convert_model(model, recipe=FP8RecipeKwargs(backend=engine, scaling=word))
+    assert len(report.fp8_linears) >= 14, report
+    if engine == "te":
+        from fp8plug import get_backend
+
+        assert type(get_backend("te").te_recipe(FP8RecipeKwargs(backend="te", scaling=word))).__name__ == \
+            "Float8BlockScaling"
+    losses = train_losses(model)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5
+    assert abs(losses[-1] - reference[-1]) < 0.05 * reference[0], (losses, reference)
+    if engine != "te":
+        assert fp8_coverage(model)["fp8_gemms"] > 0
+
+
+@pytest.mark.parametrize("word", granular.GRANULAR)
+def test_a_compiled_native_layer_matches_eager(word):
+    needs(word)
+    from fp8plug.backends.native.engine import NativeFP8Linear
+
+    torch.manual_seed(2)
+    layer = NativeFP8Linear(1024, 2048, bias=True, scaling=word, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 200, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    assert sqnr_db(compiled.float(), eager.float()) > 40
