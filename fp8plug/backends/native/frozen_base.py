@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
-from fp8plug.backends.native import shared_input
+from fp8plug.backends.native import fused_cast, shared_input
 from fp8plug.backends.native.cast import cast_operand
 from fp8plug.backends.native.scaling import E4M3, E5M2
 from fp8plug.backends.padding import pad_tokens, token_count
@@ -79,6 +79,7 @@ class FrozenFP8Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.detach().to(E4M3), requires_grad=False)
         self.register_buffer("weight_scale", torch.ones((), device=self.weight.device))
         self.compute_dtype = dtype or torch.get_default_dtype()
+        fused_cast.load()  # the eager CUDA cast of the input, built here: never inside torch.compile
 
     @classmethod
     def from_fp8(cls, fp8: torch.Tensor, scale: torch.Tensor, bias=None, compute_dtype=torch.bfloat16,
@@ -98,6 +99,7 @@ class FrozenFP8Linear(nn.Linear):
         new.bias = None if bias is None else nn.Parameter(bias.to(compute_dtype), requires_grad=False)
         new.register_buffer("weight_scale", scale.detach().reshape(()).to(device=fp8.device, dtype=torch.float32))
         new.compute_dtype = compute_dtype
+        fused_cast.load()
         return new
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
