@@ -22,6 +22,7 @@ from fp8plug.backends.base import Engine, Probe
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
 from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular, shared_input
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
+from fp8plug.backends.native.frozen_base import FrozenFP8Linear
 from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX, NOT_RECORDED, DelayedSettings, record_amax
 from fp8plug.backends.native.steps import (  # noqa: F401  (the end-of-step update)
     _TRACKED,
@@ -457,10 +458,13 @@ class NativeEngine(Engine):
                 replace_module(model, fqn, plain_linear(module, fsdp_fp8.unwrap_weight(module), module.bias))
             elif isinstance(module, fused_norm.FusedRMSNorm):
                 replace_module(model, fqn, module.unfused())
+            elif isinstance(module, FrozenFP8Linear):  # an FP8 base (load_fp8_base): dequantized, still frozen
+                weight = nn.Parameter(module.dequantized_weight(module.compute_dtype), requires_grad=False)
+                replace_module(model, fqn, plain_linear(module, weight, module.bias))
         return model
 
     def is_converted(self, module: nn.Module) -> bool:
-        return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm))
+        return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm, FrozenFP8Linear))
 
     def rescale_layer(self, model: nn.Module, fqn: str, scaling: str) -> nn.Module:
         """Move one converted Linear (`fqn`) to `scaling` (one of `scalings`) or to high precision
