@@ -186,7 +186,7 @@ class _GroupedFP8Linear(torch.autograd.Function):
     only where their result is needed (a frozen expert weight gets no weight-gradient GEMM)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, transposed: bool):
+    def forward(ctx, x, weight, offs, transposed: bool, result_dtype: torch.dtype):
         layout = group_layout(offs, x.shape[0])
         w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
         x_fp8, x_inv = rowwise(pad_groups(x, layout))
@@ -195,7 +195,7 @@ class _GroupedFP8Linear(torch.autograd.Function):
         out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
         ctx.save_for_backward(x, weight, offs)
         ctx.transposed = transposed
-        return unpad_groups(out, layout).to(x.dtype)
+        return unpad_groups(out, layout).to(result_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -216,14 +216,17 @@ class _GroupedFP8Linear(torch.autograd.Function):
             x_t, x_t_inv = groupwise_columns(pad_groups(x, layout), layout)  # [K, P]
             grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
             grad_w = (grad_w.transpose(-2, -1) if ctx.transposed else grad_w).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                        transposed: bool = False) -> torch.Tensor:
     """The grouped FP8 projection: x [S, K] sorted by expert, `offs` the groups' ends ([E] int32),
-    weight [E, N, K] (or [E, K, N] with `transposed`, GPT-OSS's layout) -> [S, N] in x's dtype."""
-    return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed)
+    weight [E, N, K] (or [E, K, N] with `transposed`, GPT-OSS's layout) -> [S, N] in the autocast
+    dtype where autocast is on (as a Linear's output under autocast), else in x's dtype."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    result_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed, result_dtype)
 
 
 __all__ = ["GROUP_ALIGNMENT", "GroupLayout", "group_layout", "grouped_fp8_linear", "grouped_gemm_problem",
