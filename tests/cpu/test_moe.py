@@ -212,3 +212,53 @@ def test_engines_without_a_grouped_gemm_say_why():
 
     assert "GroupedLinear" in TEEngine().grouped_gemm()
     assert callable(get_backend("native").grouped_gemm(None, None))
+
+
+# --- what holds for Linears holds for experts ---------------------------------------------------------------
+
+
+def test_frozen_experts_under_peft_lora_skip_the_weight_gradient_gemms(monkeypatch):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_build("mixtral"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    calls = []
+    original = grouped.groupwise_columns
+    monkeypatch.setattr(grouped, "groupwise_columns", lambda *a: calls.append(1) or original(*a))
+    model.train()
+    _loss(model, _batch()).backward()
+    experts = model.get_submodule("base_model.model.model.layers.0.mlp.experts")
+    assert experts.gate_up_proj.grad is None and calls == []  # no weight-gradient GEMM, no cast for it
+    assert fp8plug.fp8_coverage(model)["layers"]["base_model.model.model.layers.0.mlp.experts"] == (2, 0)
+    lora = [p for n, p in model.named_parameters() if "lora_B" in n]  # lora_A's gradient is zero at the start
+    assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+def test_activation_checkpointing_recomputes_the_same_fp8_experts():
+    model = _build("qwen2_moe")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", scaling="dynamic"))
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    model.train(), checkpointed.train()
+    ids = _batch()
+    _loss(model, ids).backward()
+    _loss(checkpointed, ids).backward()
+    for (name, param), other in zip(model.named_parameters(), checkpointed.parameters()):
+        if "experts" in name:  # dynamic rowwise scales: the recomputed forward is the same, bit for bit
+            assert torch.equal(param.grad, other.grad), name
+    assert fp8plug.fp8_coverage(checkpointed)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
+
+
+def test_experts_keep_no_fp8_state_so_a_reloaded_model_runs_identically():
+    model = _build("deepseek_v3")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    state = get_backend("native").fp8_state(model)
+    assert state and not any(fqn.endswith("mlp.experts") for fqn in state)  # the shared experts' Linears have some
+    again = _build("deepseek_v3", seed=3)
+    fp8plug.convert_model(again, recipe=FP8RecipeKwargs(backend="native"))
+    again.load_state_dict(model.state_dict())
+    model.train(), again.train()
+    ids = _batch()
+    x, idx, w = torch.randn(8, 64), torch.randint(0, EXPERTS, (8, 2)), torch.rand(8, 2)
+    fqn = "model.layers.0.mlp.experts"
+    assert torch.equal(model.get_submodule(fqn)(x, idx, w), again.get_submodule(fqn)(x, idx, w))
+    assert list(again.state_dict()) == list(model.state_dict()) and again(ids).logits.shape == (2, 24, VOCAB)
