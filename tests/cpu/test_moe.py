@@ -262,3 +262,13 @@ def test_experts_keep_no_fp8_state_so_a_reloaded_model_runs_identically():
     fqn = "model.layers.0.mlp.experts"
     assert torch.equal(model.get_submodule(fqn)(x, idx, w), again.get_submodule(fqn)(x, idx, w))
     assert list(again.state_dict()) == list(model.state_dict()) and again(ids).logits.shape == (2, 24, VOCAB)
+
+
+def test_export_model_puts_the_implementation_back_and_leaves_nothing_of_fp8plug():
+    model = _build("glm4_moe")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    fp8plug.export_model(model)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert model.config._experts_implementation == "grouped_mm"
+    assert not [name for name in vars(experts) if "fp8plug" in name]
+    assert not [name for name, _ in model.named_buffers() if "fp8plug" in name]
