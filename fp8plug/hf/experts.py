@@ -143,7 +143,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     out = project(h, self.down_proj, getattr(self, "down_proj_bias", None) if getattr(self, "has_bias", True) else None)
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
-    out = out * pair_weights.unsqueeze(-1).to(out.dtype)
+    out = out * pair_weights.unsqueeze(-1)  # the routing weights as they are (float32 promotes, as in transformers)
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
     return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 

@@ -55,9 +55,9 @@ def _batch(seed=1, tokens=24):
 
 def test_layout_pads_each_group_to_16_rows_without_moving_their_order():
     layout = grouped.group_layout(_offsets(GROUP_SIZES), sum(GROUP_SIZES))
-    assert layout.offs.dtype == torch.int32 and layout.offs.tolist() == [16, 16, 48, 64, 96]
+    assert layout.offs.dtype == torch.int32 and layout.offs.tolist() == [16, 32, 64, 80, 112]
     assert layout.padded_rows % 16 == 0 and layout.padded_rows >= int(layout.offs[-1])
-    assert layout.rows.tolist() == list(range(5)) + list(range(16, 33)) + list(range(48, 58)) + list(range(64, 96))
+    assert layout.rows.tolist() == list(range(5)) + list(range(32, 49)) + list(range(64, 74)) + list(range(80, 112))
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -272,3 +272,10 @@ def test_export_model_puts_the_implementation_back_and_leaves_nothing_of_fp8plug
     assert model.config._experts_implementation == "grouped_mm"
     assert not [name for name in vars(experts) if "fp8plug" in name]
     assert not [name for name, _ in model.named_buffers() if "fp8plug" in name]
+
+
+def test_a_nan_input_row_stays_nan():
+    x = torch.randn(sum(GROUP_SIZES), 32)
+    x[40, 5] = float("nan")
+    out = grouped.grouped_fp8_linear(x, torch.randn(len(GROUP_SIZES), 16, 32), _offsets(GROUP_SIZES))
+    assert torch.isnan(out[40]).all() and torch.isfinite(out[:40]).all()

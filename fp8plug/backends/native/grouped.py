@@ -14,10 +14,11 @@ tests, torch 2.11-2.13, sm_90):
   ([E * N] and [E * K], group-major). Output is bfloat16 only; offsets int32.
 - the first operand is row-major, the second column-major (a contiguous [E, N, K] weight seen as
   [E, K, N] through a transpose is exactly that).
-- token groups start at multiples of 16 rows: the weight gradient's grouped dimension is the
-  token dimension, read by TMA in 16-byte steps. So each group is padded with zero rows to a
-  multiple of 16 (`GroupLayout`), in a buffer of a size known without reading the offsets
-  (ceil16(S) + 16 * E rows), so nothing syncs with the host and torch.compile sees static shapes.
+- token groups start at multiples of 16 rows (an empty group gets 16 zero rows): the weight
+  gradient's grouped dimension is the token dimension, read by TMA in 16-byte steps. So each
+  group is padded with zero rows to a multiple of 16 (`GroupLayout`), in a buffer of a size
+  known without reading the offsets (ceil16(S) + 16 * E rows), so nothing syncs with the host
+  and torch.compile sees static shapes.
   Zero rows add nothing to any product; what they cost is counted by the benchmark.
 - dynamic rowwise scaling: each row's (or per-group column's) own amax, every call. A per-tensor
   delayed scale shared by all experts would waste range on the experts with small activations,
@@ -80,7 +81,10 @@ def group_layout(offs: torch.Tensor, num_rows: int) -> GroupLayout:
     experts = offs.shape[0]
     ends = offs.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_ends = torch.cumsum((sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT, 0)
+    # an empty group gets 16 zero rows too: the weight gradient of an expert no token reached is
+    # then computed (zeros) like any other, never left as whatever memory the kernel skipped held
+    padded_sizes = torch.clamp((sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT, min=1) * GROUP_ALIGNMENT
+    padded_ends = torch.cumsum(padded_sizes, 0)
     zero = ends.new_zeros(1)
     starts = torch.cat([zero, ends])  # group e starts at starts[e]; "group" E is the tail
     padded_starts = torch.cat([zero, padded_ends])
@@ -109,10 +113,10 @@ def rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """`t` in e4m3 with one scale per row (its last dimension), contiguous, and the inverse scales
     (what the GEMM multiplies back), shaped as `t` without its last dimension. A row with a NaN
     or inf amax gets a NaN or zero scale, so its products are NaN: a bad batch stays visible."""
-    t32 = t.float()
-    amax = t32.abs().amax(dim=-1, keepdim=True)
+    amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     scale = E4M3_MAX / amax.clamp(min=AMAX_FLOOR)
-    data = (t32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+    # |t * scale| <= 448 by construction (the last float32 ulp rounds back to 448 in e4m3): no clamp pass
+    data = (t * scale).to(E4M3).contiguous()
     return data, scale.reciprocal().squeeze(-1).contiguous()
 
 
