@@ -116,7 +116,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     gemm = getattr(self, GEMM, None)
     if gemm is None or getattr(self, "_is_expert_parallel", False) or not fp8_now(self.training):
         _count(self, False)
-        return experts_function(self, getattr(self, BEFORE, None))(self, hidden_states, top_k_index, top_k_weights)
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     _count(self, True)
     top_k = top_k_index.shape[-1]
     tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
@@ -146,6 +146,21 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     out = out * pair_weights.unsqueeze(-1)  # the routing weights as they are (float32 promotes, as in transformers)
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
     return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+# The implementations converted models had, by name, looked up at conversion: the forward then
+# reads a dict rather than importing transformers' registry (which torch.compile would trace),
+# and a module keeps only the name (a function beneath transformers' decorator cannot be pickled
+# by name, so a converted model would no longer torch.save).
+_FALLBACKS = {}
+
+
+def _fallback(module: nn.Module):
+    name = getattr(module, BEFORE, None)
+    function = _FALLBACKS.get(name)
+    if function is None and not torch.compiler.is_compiling():
+        function = _FALLBACKS[name] = experts_function(module, name)
+    return function or original_experts_forward(module)
 
 
 def _gated(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -203,7 +218,10 @@ def _switch(model: nn.Module) -> None:
         if before == FP8PLUG_EXPERTS:
             continue
         for _, module in experts_modules(hf_model):
-            setattr(module, BEFORE, experts_implementation(module.config))
+            name = experts_implementation(module.config)
+            setattr(module, BEFORE, name)
+            if name not in (None, "eager"):  # "eager" is each class's own forward, read from the module
+                _FALLBACKS.setdefault(name, experts_function(module, name))
         hf_model.__dict__[BEFORE] = before
         set_experts_implementation(hf_model, FP8PLUG_EXPERTS)
 

@@ -279,3 +279,13 @@ def test_a_nan_input_row_stays_nan():
     x[40, 5] = float("nan")
     out = grouped.grouped_fp8_linear(x, torch.randn(len(GROUP_SIZES), 16, 32), _offsets(GROUP_SIZES))
     assert torch.isnan(out[40]).all() and torch.isfinite(out[:40]).all()
+
+
+def test_a_converted_moe_model_pickles_and_still_runs_its_experts(tmp_path):
+    model = _build("mixtral")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    again.train()
+    _loss(again, _batch()).backward()
+    assert fp8plug.fp8_coverage(again)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
