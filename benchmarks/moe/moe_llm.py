@@ -10,6 +10,8 @@ inductor and triton caches):
   accelerate-ao        accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   fp8plug              fp8plug.Accelerator(mixed_precision="fp8")  (default recipe: grouped FP8 GEMM experts)
   fp8plug-noexperts    the same with every experts module in modules_to_ignore (splits the gain: Linears vs experts)
+  fp8plug-nofilter     the same with auto_filter=False: every aligned Linear and experts module in FP8, whatever
+                       the speed filter predicts (checks its verdict: Qwen3-MoE's experts are predicted 0.70x)
 
 each `-eager`, `-compiled` (Accelerate's dynamo_backend="inductor") or `-usercompiled`
 (`torch.compile(model)` after prepare). Reported per row: tokens/s (median step after the warm-up),
@@ -63,11 +65,12 @@ BASES = {
     "accelerate-ao": ("accelerate", "fp8", {}),
     "fp8plug": ("fp8plug", "fp8", {}),
     "fp8plug-noexperts": ("fp8plug", "fp8", dict(ignore_experts=True)),
+    "fp8plug-nofilter": ("fp8plug", "fp8", dict(auto_filter=False)),
 }
 MODES = ("eager", "compiled", "usercompiled")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = ["bf16-usercompiled", "bf16-compiled", "fp8plug-usercompiled", "fp8plug-compiled", "bf16-eager",
-                "fp8plug-eager", "accelerate-ao-usercompiled"]
+                "fp8plug-eager", "accelerate-ao-usercompiled", "fp8plug-nofilter-usercompiled"]
 
 
 def build_model(spec: dict, device):
@@ -109,8 +112,9 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         from fp8plug.hf.experts import experts_modules
 
         ignore = [fqn for fqn, _ in experts_modules(model)] if options.get("ignore_experts") else None
-        engine = spec.get("backend")
-        handlers = [fp8plug.FP8RecipeKwargs(backend=engine, modules_to_ignore=ignore)] if ignore or engine else []
+        engine, extra = spec.get("backend"), {k: v for k, v in options.items() if k == "auto_filter"}
+        handlers = ([fp8plug.FP8RecipeKwargs(backend=engine, modules_to_ignore=ignore, **extra)]
+                    if ignore or engine or extra else [])
         cls = fp8plug.Accelerator
     else:
         cls = accelerate.Accelerator

@@ -40,6 +40,7 @@ from fp8plug.backends.region import fp8_now
 from fp8plug.hf.attention import transformers_models
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, FP8, HIGH_PRECISION
 from fp8plug.layers.rules import ALIGNMENT, IGNORED, NOT_ELIGIBLE, ConversionReport, ignore_in_ddp, module_paths
+from fp8plug.tuning.roofline import SpeedFilter, predict_ms
 
 logger = logging.getLogger("fp8plug")
 
@@ -47,6 +48,7 @@ FP8PLUG_EXPERTS = "fp8plug_fp8_experts"
 GEMM = "_fp8plug_grouped_gemm"  # experts module attribute: the engine's grouped FP8 GEMM (converted modules only)
 BEFORE = "_fp8plug_experts_before"  # experts module and model attribute: the implementation it had
 NO_GEMM = "no grouped FP8 GEMM"  # the report's kind for experts an engine cannot run
+SPEED = "experts kept in bf16 by the speed filter"
 
 
 # --- finding experts and reading their layout ---------------------------------------------------------
@@ -94,6 +96,35 @@ def shape_problem(module: nn.Module) -> Optional[str]:
     if not module.down_proj.dtype.is_floating_point:
         return f"expert weights are {module.down_proj.dtype}, not floating point"
     return None
+
+
+def gemm_dims(module: nn.Module) -> List[Tuple[int, int]]:
+    """(K, N) of each projection's per-expert GEMM: up (or gate_up), then down."""
+    dims = [tuple(up_weight(module).shape[1:]), tuple(module.down_proj.shape[1:])]
+    return [(a, b) if is_transposed(module) else (b, a) for a, b in dims]
+
+
+def speed_problem(module: nn.Module, speed_filter) -> Optional[str]:
+    """Why the automatic speed filter (fp8plug.tuning.roofline.SpeedFilter, the plan's where it is
+    on) keeps these experts in bf16, or None. The experts' GEMMs are predicted as E GEMMs of the
+    tokens an expert gets on average (tokens x top-k / E) in one launch (one overhead), both
+    projections together: the dense cost model, not a grouped kernel's measured costs."""
+    if not isinstance(speed_filter, SpeedFilter):
+        return None
+    experts = module.down_proj.shape[0]
+    top_k = int(getattr(module.config, "num_experts_per_tok", 1) or 1)
+    m = max(1, speed_filter.tokens * top_k // experts)
+
+    def total(costs, fp8):
+        each = sum(predict_ms(m, k, n, costs, fp8) - costs.overhead_us * 1e-3 for k, n in gemm_dims(module))
+        return experts * each + costs.overhead_us * 1e-3
+
+    predicted = total(speed_filter.bf16, False) / total(speed_filter.fp8, True)
+    if predicted >= speed_filter.min_speedup:
+        return None
+    return (f"{speed_filter.source or 'roofline filter'}: FP8 predicted {predicted:.2f}x bf16's speed at {m} tokens "
+            f"per expert ({speed_filter.tokens} tokens, top-{top_k} of {experts} experts; needs "
+            f"{speed_filter.min_speedup:g}x)")
 
 
 # --- the forward ---------------------------------------------------------------------------------------
@@ -189,13 +220,14 @@ def convert_experts(model: nn.Module, engine, plan, report: ConversionReport) ->
         if ignore.intersection(paths.get(fqn, ())):
             report.skip(fqn, "listed in modules_to_ignore", IGNORED)
             continue
-        problem = problem or shape_problem(module)
+        problem = problem or shape_problem(module) or speed_problem(module, plan.module_filter_fn)
         if problem is None:
             device = module.down_proj.device
             gemm = engine.grouped_gemm(plan, device if device.type == "cuda" else None)
             problem = gemm if isinstance(gemm, str) else None
         if problem:
-            report.skip(fqn, problem, NO_GEMM if "engine" in problem or "sm_" in problem else NOT_ELIGIBLE)
+            kind = SPEED if "predicted" in problem else NOT_ELIGIBLE
+            report.skip(fqn, problem, NO_GEMM if "engine" in problem or "sm_" in problem else kind)
             continue
         setattr(module, GEMM, gemm)
         if EXPERT_COUNTS not in module._buffers:

@@ -289,3 +289,22 @@ def test_a_converted_moe_model_pickles_and_still_runs_its_experts(tmp_path):
     again.train()
     _loss(again, _batch()).backward()
     assert fp8plug.fp8_coverage(again)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
+
+
+def test_the_speed_filter_keeps_experts_too_small_to_gain_in_bf16():
+    from fp8plug.tuning.roofline import make_module_filter
+
+    small = _build("mixtral")  # 4 experts of 64 x 32: no FP8 GEMM can gain there
+    report = fp8plug.convert_model(small, recipe=FP8RecipeKwargs(
+        backend="native", module_filter_fn=make_module_filter("native", tokens=8192, min_speedup=0.85)))
+    reason = report.skipped["model.layers.0.mlp.experts"]
+    assert "FP8 predicted" in reason and "4096 tokens per expert" in reason and "top-2 of 4 experts" in reason
+    assert small.config._experts_implementation == "grouped_mm"
+    # Mixtral's shapes (hidden 4096, expert ffn 14336, 8 experts top-2) are predicted to gain
+    from fp8plug.hf.experts import speed_problem
+
+    with torch.device("meta"):
+        large = _build("mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128)
+    experts = large.get_submodule("model.layers.0.mlp.experts")
+    assert speed_problem(experts, make_module_filter("native", tokens=8192, min_speedup=0.85)) is None
