@@ -104,3 +104,13 @@ def test_small_moe_trains_with_fp8_experts(name, compiled):
     ref_losses = _bf16(reference, 30, ids)
     assert losses[-1] < 0.5 * losses[0]
     assert abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[-1] + 0.05, (losses[-1], ref_losses[-1])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fsdp2_on_two_gpus_shards_the_experts_and_trains_them_in_fp8(tmp_path):
+    from tests.support.moe_fsdp2_worker import run_ranks
+
+    for rank in run_ranks(tmp_path, 20):
+        assert rank["placement"] == "(Shard(dim=0),)"
+        assert rank["experts"] == [40, 0] and rank["implementation"] == FP8PLUG_EXPERTS
+        assert rank["losses"][-1] < 0.7 * rank["losses"][0]
