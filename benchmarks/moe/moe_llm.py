@@ -7,6 +7,11 @@ benchmarks/training/hf_llama_task.py (a known loss floor). Rows (each its own pr
 inductor and triton caches):
 
   bf16                 accelerate.Accelerator(mixed_precision="bf16")
+  bf16-bf16weights     the same with the model cast to bfloat16 first (bf16 weights and AdamW states). Why: with
+                       fp32 master weights transformers' experts cast their input to the weights' dtype
+                       (grouped_mm is not autocast-aware), so the `bf16` rows' experts GEMMs run in float32
+                       (compiled, through transformers' per-expert fallback loop); this row is the bf16
+                       grouped_mm baseline an MoE user can also choose
   accelerate-ao        accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   fp8plug              fp8plug.Accelerator(mixed_precision="fp8")  (default recipe: grouped FP8 GEMM experts)
   fp8plug-noexperts    the same with every experts module in modules_to_ignore (splits the gain: Linears vs experts)
@@ -62,6 +67,7 @@ MODELS = {
 }
 BASES = {
     "bf16": ("accelerate", "bf16", {}),
+    "bf16-bf16weights": ("accelerate", "bf16", dict(bf16_weights=True)),
     "accelerate-ao": ("accelerate", "fp8", {}),
     "fp8plug": ("fp8plug", "fp8", {}),
     "fp8plug-noexperts": ("fp8plug", "fp8", dict(ignore_experts=True)),
@@ -70,7 +76,8 @@ BASES = {
 MODES = ("eager", "compiled", "usercompiled")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = ["bf16-usercompiled", "bf16-compiled", "fp8plug-usercompiled", "fp8plug-compiled", "bf16-eager",
-                "fp8plug-eager", "accelerate-ao-usercompiled", "fp8plug-nofilter-usercompiled"]
+                "fp8plug-eager", "accelerate-ao-usercompiled", "fp8plug-nofilter-usercompiled",
+                "bf16-bf16weights-usercompiled"]
 
 
 def build_model(spec: dict, device):
@@ -104,6 +111,8 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     base, mode = row.rsplit("-", 1)
     kind, precision, options = BASES[base]
     model = build_model(spec, device)
+    if options.get("bf16_weights"):
+        model = model.to(torch.bfloat16)
     handlers = []
     if kind == "accelerate" and precision == "fp8":
         handlers = [accelerate.utils.AORecipeKwargs()]
