@@ -314,7 +314,8 @@ def drop_original_forward(model) -> bool:
 # class's forward with functools.wraps (so `forward.__wrapped__` is the class's own eager forward)
 # and dispatching every call on `self.config._experts_implementation` through
 # `ALL_EXPERTS_FUNCTIONS` (an `ExpertsInterface`, registered to with its `register(name, fn)`);
-# the public `PreTrainedModel.set_experts_implementation(name)`, which accepts any registered name.
+# the public `PreTrainedModel.set_experts_implementation(name)`, which accepts any registered name;
+# the experts' `_apply_gate` and `_is_expert_parallel`.
 # Checked: 5.24 (read); 5.17 must hold the same names (the GPU tests run there): where
 # set_experts_implementation is missing, the config attribute is set directly.
 def experts_implementation(config) -> Optional[str]:
@@ -348,6 +349,23 @@ def experts_function(module, name: Optional[str]):
     if name in (None, "eager") or name not in ALL_EXPERTS_FUNCTIONS:
         return eager
     return ALL_EXPERTS_FUNCTIONS[name]
+
+
+def is_expert_parallel(module) -> bool:
+    """Whether transformers runs experts `module` under expert parallelism (`_is_expert_parallel`,
+    set by its tensor-parallel plan; then routed ids past the local experts are sentinels)."""
+    return bool(getattr(module, "_is_expert_parallel", False))
+
+
+def apply_gate(module, gate_up):
+    """The experts class's own gate over a gate/up projection (`_apply_gate`, which GPT-OSS
+    overrides for its interleaved layout and clamped activation), else transformers' default:
+    concatenated halves, act(gate) * up."""
+    own = getattr(module, "_apply_gate", None)
+    if own is not None:
+        return own(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
 
 
 def original_experts_forward(module):

@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from fp8plug._upstream import (
+    apply_gate,
     experts_function,
     experts_implementation,
+    is_expert_parallel,
     original_experts_forward,
     register_experts_function,
     set_experts_implementation,
@@ -145,7 +147,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     """FP8PLUG_EXPERTS: the grouped experts forward with both projections through the engine's
     grouped FP8 GEMM; the implementation the model had for modules left alone and out of FP8."""
     gemm = getattr(self, GEMM, None)
-    if gemm is None or getattr(self, "_is_expert_parallel", False) or not fp8_now(self.training):
+    if gemm is None or is_expert_parallel(self) or not fp8_now(self.training):
         _count(self, False)
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     _count(self, True)
@@ -168,7 +170,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     gate = has_gate(self)
     h = project(x, up_weight(self), up_bias(self) if getattr(self, "has_bias", True) else None)
     if gate:
-        h = self._apply_gate(h) if hasattr(self, "_apply_gate") else _gated(self, h)
+        h = apply_gate(self, h)
     else:
         h = self.act_fn(h)
     out = project(h, self.down_proj, getattr(self, "down_proj_bias", None) if getattr(self, "has_bias", True) else None)
@@ -192,12 +194,6 @@ def _fallback(module: nn.Module):
     if function is None and not torch.compiler.is_compiling():
         function = _FALLBACKS[name] = experts_function(module, name)
     return function or original_experts_forward(module)
-
-
-def _gated(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """Concatenated [gate; up] halves, as transformers' default gate (a class without _apply_gate)."""
-    gate, up = h.chunk(2, dim=-1)
-    return module.act_fn(gate) * up
 
 
 # --- conversion and back -----------------------------------------------------------------------------
