@@ -43,7 +43,11 @@ def _build(name, **overrides):
     build = builder(name)
     if build is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {ARCHITECTURES[name][1]}")
-    return build(**overrides)
+    model = build(**overrides)
+    if not list(experts_modules(model)):
+        pytest.skip(f"transformers {__import__('transformers').__version__} runs {ARCHITECTURES[name][1]}'s experts "
+                    "outside its experts registry (@use_experts_implementation)")
+    return model
 
 
 def _batch(seed=1, tokens=24):

@@ -10,7 +10,7 @@ import torch
 import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends.native import grouped
-from fp8plug.hf.experts import FP8PLUG_EXPERTS
+from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from tests.support.hf import fresh
 from tests.support.moe_models import builder
 from tests.support.numerics import rel_error, sqnr_db
@@ -98,6 +98,8 @@ def test_small_moe_trains_with_fp8_experts(name, compiled):
     ffn = dict(intermediate_size=512) if name == "mixtral" else dict(moe_intermediate_size=256)
     sizes = dict(hidden_size=256, num_hidden_layers=2, vocab_size=512, **ffn)
     model = build(**sizes).cuda()
+    if not list(experts_modules(model)):
+        pytest.skip(f"this transformers runs {name}'s experts outside its experts registry")
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     model, losses = _train(model, 30, compiled, ids)
