@@ -307,3 +307,68 @@ def matches_module_patterns(name: str, patterns: List[str]) -> bool:
 def drop_original_forward(model) -> bool:
     """Forget the forward prepare() kept; whether there was one (the forward is accelerate's wrapper)."""
     return model.__dict__.pop("_original_forward", None) is not None
+
+
+# --- transformers: the experts-implementation registry (mixture-of-experts blocks) ----------------
+# Relies on: `@use_experts_implementation` (transformers.integrations.moe) wrapping an experts
+# class's forward with functools.wraps (so `forward.__wrapped__` is the class's own eager forward)
+# and dispatching every call on `self.config._experts_implementation` through
+# `ALL_EXPERTS_FUNCTIONS` (an `ExpertsInterface`, registered to with its `register(name, fn)`);
+# the public `PreTrainedModel.set_experts_implementation(name)`, which accepts any registered name;
+# the experts' `_apply_gate` and `_is_expert_parallel`.
+# Checked: 5.24 (read); 5.17 must hold the same names (the GPU tests run there): where
+# set_experts_implementation is missing, the config attribute is set directly.
+def experts_implementation(config) -> Optional[str]:
+    """The experts implementation `config` names ("grouped_mm", "eager", ...), or None."""
+    return getattr(config, "_experts_implementation", None)
+
+
+def set_experts_implementation(model, name: str) -> None:
+    """Put transformers model `model` (and its sub-models) on experts implementation `name`."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # pragma: no cover - a transformers without the public setter
+        model.config._experts_implementation = name
+
+
+def register_experts_function(name: str, function) -> None:
+    """Register `function` under `name` with transformers' experts registry (once)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if name not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(name, function)
+
+
+def experts_function(module, name: Optional[str]):
+    """The forward transformers would run for experts `module` under implementation `name`: the
+    class's own (eager) forward for "eager" or None, else the registered function."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    eager = original_experts_forward(module)
+    if name in (None, "eager") or name not in ALL_EXPERTS_FUNCTIONS:
+        return eager
+    return ALL_EXPERTS_FUNCTIONS[name]
+
+
+def is_expert_parallel(module) -> bool:
+    """Whether transformers runs experts `module` under expert parallelism (`_is_expert_parallel`,
+    set by its tensor-parallel plan; then routed ids past the local experts are sentinels)."""
+    return bool(getattr(module, "_is_expert_parallel", False))
+
+
+def apply_gate(module, gate_up):
+    """The experts class's own gate over a gate/up projection (`_apply_gate`, which GPT-OSS
+    overrides for its interleaved layout and clamped activation), else transformers' default:
+    concatenated halves, act(gate) * up."""
+    own = getattr(module, "_apply_gate", None)
+    if own is not None:
+        return own(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def original_experts_forward(module):
+    """The experts class's own forward beneath `@use_experts_implementation`, or None for a module
+    not decorated with it."""
+    return getattr(type(module).forward, "__wrapped__", None)

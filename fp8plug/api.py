@@ -13,6 +13,7 @@ from fp8plug.backends.base import Engine
 from fp8plug.backends.steps import end_step
 from fp8plug.coverage import describe_engine, is_main_process, log_conversion, logger
 from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
+from fp8plug.hf.experts import convert_experts, restore_experts
 from fp8plug.hf.fp8_attention import use_fp8_attention
 from fp8plug.layers.rules import ConversionError, ConversionReport
 from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
@@ -112,6 +113,8 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
     attention without a built causal mask where the plan says so (fp8plug.hf.attention), and FP8
     attention where it asks for it (`fp8_dpa`, fp8plug.hf.fp8_attention)."""
     report = engine.convert(model, plan, linear=linear, norm=norm)
+    if linear:  # a transformers MoE model's experts: grouped GEMMs (fp8plug.hf.experts)
+        convert_experts(model, engine, plan, report)
     setattr(model, _CONVERTED_WITH, conversion_settings(engine, plan))
     log_conversion(report, describe_engine(engine, plan), type(model).__name__)
     if plan.skip_causal_mask:
@@ -168,6 +171,7 @@ def unconvert_model(model: nn.Module) -> nn.Module:
         engine.unconvert(model)
     model.__dict__.pop(_CONVERTED_WITH, None)
     restore_sdpa(model)
+    restore_experts(model)
     return model
 
 

@@ -119,6 +119,9 @@ OPTIONAL = {
     "has_storageless_weights": "has_storageless_weights() -> bool: whether converted models may now hold weights "
                                "without storage of their own, which accelerate's FSDP2 preparation must look "
                                "through (fp8plug.Accelerator)",
+    "grouped_gemm": "grouped_gemm(plan, device) -> callable or str: the engine's grouped FP8 GEMM for a "
+                    "mixture-of-experts projection, fn(x [S, K], weight [E, N, K], offs [E] int32, transposed) -> "
+                    "[S, N], or why it has none here; a model's experts run in FP8 through it (fp8plug.hf.experts)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
     "rescale_layer": "rescale_layer(model, fqn, scaling) -> module: move one converted Linear to another of the "

@@ -36,6 +36,7 @@ from fp8plug.autocast import is_autowrapped, remove_fp8_autowrap
 from fp8plug.backends.steps import untrack
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.checkpoints.export_dir import replacing
+from fp8plug.hf.experts import experts_modules
 from fp8plug.layers.rules import IGNORED, check_module_names, linear_alignment_problem, module_paths
 from fp8plug.recipe import module_name_list
 
@@ -109,6 +110,10 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     linears = _linears(inner)
     report = FP8CheckpointReport(os.fspath(directory), layout)
     report.kept = _kept(inner, linears, state, ignore)
+    # MoE experts (fp8plug.hf.experts) are written in high precision for now, and named so that
+    # transformers' FP8 loader, which has FP8 experts of its own, does not expect them quantized
+    report.kept.update((fqn, "MoE experts: written in high precision (no per-expert FP8 layout yet)")
+                       for fqn, _ in experts_modules(inner))
     report.quantized = [name for name in linears if name not in report.kept]
     tensors = _tensors(state, report.quantized, layout)
     if layout == "block":

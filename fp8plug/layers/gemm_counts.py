@@ -22,6 +22,10 @@ from fp8plug.layers.ddp_buffers import ignore_in_ddp
 # buffer broadcast. This module imports nothing of fp8plug's but ddp_buffers and finds engines
 # through the lookup the registry hands it, so it sits below conversion, the engines and the registry.
 COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
+# The same two bins on a mixture-of-experts experts module (fp8plug.hf.experts), added to by its
+# forward: one per projection's grouped GEMM (two a call). A name of its own, so an experts module
+# is never taken for a converted Linear.
+EXPERT_COUNTS = "fp8plug_expert_gemm_counts"
 FP8, HIGH_PRECISION = 0, 1
 
 
@@ -143,7 +147,8 @@ native engine's: per-layer scaling, or a guard's change, shows there).
         for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
             if isinstance(hook, GemmCounter):
                 hook.settle(module)
-    found = [(fqn, m._buffers[COUNTS]) for fqn, m in model.named_modules() if has_gemm_counter(m)]
+    found = [(fqn, m._buffers[COUNTS] if has_gemm_counter(m) else m._buffers[EXPERT_COUNTS])
+             for fqn, m in model.named_modules() if has_gemm_counter(m) or EXPERT_COUNTS in m._buffers]
     found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
     layers: Dict[str, Tuple[int, int]] = {}
     if found:
@@ -166,4 +171,5 @@ native engine's: per-layer scaling, or a guard's change, shows there).
     return coverage
 
 
-__all__ = ["COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter", "use_engine_lookup"]
+__all__ = ["COUNTS", "EXPERT_COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter",
+           "use_engine_lookup"]

@@ -59,6 +59,7 @@ class ConversionReport:
     kinds: Dict[str, str] = field(default_factory=dict)
     notes: Dict[str, str] = field(default_factory=dict)
     linears: List[str] = field(default_factory=list)
+    experts: List[str] = field(default_factory=list)  # mixture-of-experts experts modules (fp8plug.hf.experts)
 
     def __str__(self) -> str:
         lines = [f"{self.backend}: converted {len(self.converted)} module(s), skipped {len(self.skipped)}"]
@@ -111,9 +112,24 @@ class ConversionReport:
             parts.append(f"({MHA_NOTE})")
         if parts:
             line += "; in high precision: " + "; ".join(parts)
-        others = [f for f in self.converted if f not in set(self.linears)]
+        if self.experts:
+            line += "; " + self._experts_summary(max_names)
+        others = [f for f in self.converted if f not in set(self.linears) and f not in set(self.experts)]
         if others:
             line += f"; also converted {len(others)} other module(s) ({self._names(others, max_names)})"
+        return line
+
+    def _experts_summary(self, limit: int) -> str:
+        """How many MoE experts modules run their grouped GEMMs in FP8, and why the others do not."""
+        converted = [f for f in self.experts if f in set(self.converted)]
+        line = (f"{len(converted)} of {len(self.experts)} MoE experts modules run their grouped GEMMs in FP8 "
+                "(router and routing weights in high precision)")
+        reasons: Dict[str, List[str]] = {}
+        for fqn in self.experts:
+            if fqn in self.skipped:
+                reasons.setdefault(self.skipped[fqn], []).append(fqn)
+        for reason, names in reasons.items():
+            line += f"; experts in high precision: {len(names)} ({self._names(names, limit)}): {reason}"
         return line
 
     def _names(self, names: List[str], limit: int) -> str:

@@ -330,6 +330,17 @@ class AOEngine(Engine):
         """Every call the region (or training mode) puts in FP8 runs FP8: odd token counts are padded."""
         return isinstance(input, torch.Tensor) and _fp8_now(module, input)
 
+    def grouped_gemm(self, plan=None, device=None) -> str:
+        """Why a transformers model's experts stay in high precision under ao (docs/moe.md), read in
+        torchao 0.18's prototype moe_training: its FP8 grouped GEMM requires token groups already
+        padded to 16 rows (`pad_token_groups_for_grouped_mm=True` is refused), which transformers'
+        routing does not give; its weight subclass intercepts only `torch._grouped_mm`, while
+        transformers calls `torch.nn.functional.grouped_mm` where torch has it (so the experts would
+        silently stay bf16); and it swaps in new Parameter objects."""
+        return ("torchao 0.18's MoE training (torchao.prototype.moe_training) needs token groups padded to 16 "
+                "before its grouped GEMM and intercepts only torch._grouped_mm, not the "
+                "torch.nn.functional.grouped_mm transformers calls; use the native engine for FP8 experts")
+
     # running ---------------------------------------------------------------------------------------
     def autocast(self, plan=None, enabled: bool = True):
         """FP8 (enabled) or high precision (disabled) for every fp8plug torchao module inside the

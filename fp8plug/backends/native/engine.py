@@ -501,6 +501,14 @@ class NativeEngine(Engine):
     def runs_fp8(self, module: nn.Module, input) -> bool:
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
+    def grouped_gemm(self, plan=None, device=None):
+        """The grouped FP8 GEMM of a mixture-of-experts projection (backends.native.grouped: dynamic
+        rowwise scaling, torch._scaled_grouped_mm on sm_90, exact emulation on the CPU), or why it
+        cannot run on `device`."""
+        from fp8plug.backends.native import grouped
+
+        return grouped.grouped_gemm_problem(device) or grouped.grouped_fp8_linear
+
     def end_step(self, models, group=None) -> None:
         """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated; then,
         under FSDP2 with FP8 all-gather, the scales of the next all-gather (one all-reduce)."""

@@ -375,6 +375,15 @@ class TEEngine(Engine):
         fp8_call = getattr(module, "fp8_call", None)
         return bool(fp8_call(input)) if fp8_call is not None else False
 
+    def grouped_gemm(self, plan=None, device=None) -> str:
+        """Why a transformers model's experts stay in high precision under te (docs/moe.md): TE's
+        GroupedLinear holds one weight Parameter per expert (weight0 ... weight{E-1}) and takes
+        split sizes on the host, while a transformers MoE block holds all its experts in one 3-D
+        Parameter; using it would copy every expert weight each step (or replace the model's
+        Parameters, which the optimizer and the checkpoint names hold)."""
+        return ("TransformerEngine's GroupedLinear needs one weight Parameter per expert and cannot take the "
+                "model's 3-D expert Parameters without copies; use the native engine for FP8 experts")
+
     # running ------------------------------------------------------------------------------------------
     def autocast(self, plan=None, enabled: bool = True):
         """TE's autocast for one forward: FP8 with the plan's TE recipe when enabled, high

@@ -1,0 +1,177 @@
+"""The grouped FP8 GEMM of fp8plug's experts against torch's bf16 grouped GEMM, at MoE models' shapes.
+
+For each projection of the Mixtral-shaped and the Qwen3-MoE-shaped model of moe_llm.py (gate_up
+and down), with routing-imbalanced token groups (each token's top-k experts drawn from a skewed
+distribution: the expert logits are normal with standard deviation `--skew`, so a few experts
+get several times the mean load, as trained routers do), times:
+
+  bf16      torch.nn.functional.grouped_mm (torch._grouped_mm where torch lacks it) in bfloat16,
+            forward alone and forward + backward (autograd)
+  fp8       fp8plug.backends.native.grouped.grouped_fp8_linear: the casts, the group padding to
+            16 rows (counted: it is part of the call) and the three FP8 grouped GEMMs
+  fp8-gemm  the FP8 forward GEMM alone on operands cast beforehand (what the kernel costs)
+
+and reports milliseconds, TFLOP/s of the useful work (2 * rows * K * N a GEMM, three GEMMs for
+forward + backward; padding rows not counted as work) and that as a share of the GPU's dense peak
+(the roofline: `--bf16-peak` and `--fp8-peak`, H100/H200 SXM by default), plus the padding rows
+the layout adds. CUDA only, sm_90 for FP8; `--device cpu` runs one tiny shape through the
+emulation so the script is known to work.
+
+    python3 benchmarks/moe/grouped_gemm.py --json out/grouped_gemm.json
+    python3 benchmarks/moe/grouped_gemm.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fp8plug.backends.native import grouped  # noqa: E402
+
+# model -> (tokens, experts, top_k, hidden, expert ffn): B4 x T2048 of moe_llm.py's models
+SHAPES = {
+    "mixtral": (8192, 8, 2, 4096, 14336),
+    "qwen3moe": (8192, 128, 8, 2048, 768),
+    "toy": (256, 4, 2, 64, 32),
+}
+
+
+def group_sizes(tokens: int, experts: int, top_k: int, skew: float, seed: int = 0) -> torch.Tensor:
+    """Rows per expert when each token picks top_k distinct experts from skewed probabilities."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(experts, generator=gen) * skew, 0)
+    choice = torch.multinomial(probs.expand(tokens, experts), top_k, replacement=False, generator=gen)
+    return torch.bincount(choice.reshape(-1), minlength=experts)
+
+
+def grouped_bf16(x, w, offs):
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(x, w.transpose(-2, -1), offs=offs)
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Median milliseconds of `fn` (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    if device.type != "cuda":
+        import time
+
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model: str, projection: str, device, skew: float, repeats: int, peaks) -> dict:
+    tokens, experts, top_k, hidden, ffn = SHAPES[model]
+    n, k = (2 * ffn, hidden) if projection == "gate_up" else (hidden, ffn)
+    sizes = group_sizes(tokens, experts, top_k, skew)
+    rows = int(sizes.sum())
+    offs = sizes.cumsum(0).to(torch.int32).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = (torch.randn(rows, k, generator=gen) * 0.5).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(experts, n, k, generator=gen) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    g = torch.randn(rows, n, generator=gen).to(device, torch.bfloat16)
+    layout = grouped.group_layout(offs, rows)
+    padded = int(layout.offs[-1])
+    flops = 2 * rows * k * n
+    out = dict(model=model, projection=projection, rows=rows, experts=experts, k=k, n=n,
+               max_over_mean_group=float(sizes.max() / sizes.float().mean()),
+               padding_rows=padded - rows, padding_share=(padded - rows) / rows)
+
+    def fwd_bwd(fn):
+        def run():
+            y = fn(x, w, offs)
+            torch.autograd.grad(y, (x, w), g)
+        return run
+
+    fp8 = grouped.grouped_fp8_linear
+    cases = {"bf16_fwd": lambda: grouped_bf16(x, w, offs), "bf16_fwd_bwd": fwd_bwd(grouped_bf16),
+             "fp8_fwd": lambda: fp8(x, w, offs), "fp8_fwd_bwd": fwd_bwd(fp8)}
+    x8, x_inv = grouped.rowwise(grouped.pad_groups(x.detach(), layout))
+    w8, w_inv = grouped.rowwise(w.detach())
+    cases["fp8_gemm_fwd"] = lambda: grouped.scaled_grouped_mm(x8, w8.transpose(-2, -1), x_inv, w_inv, layout.offs,
+                                                              torch.bfloat16, True)
+    for name, fn in cases.items():
+        try:
+            ms = timed(fn, device, repeats)
+        except Exception as exc:  # noqa: BLE001 - a case that cannot run here says why
+            out[name] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        work = flops * (3 if name.endswith("bwd") else 1)
+        tflops = work / ms / 1e9
+        peak = peaks[1] if name.startswith("fp8") else peaks[0]
+        out[name] = dict(ms=ms, tflops=tflops, of_peak=tflops / peak)
+    for mode in ("fwd", "fwd_bwd"):
+        a, b = out.get(f"bf16_{mode}", {}), out.get(f"fp8_{mode}", {})
+        if "ms" in a and "ms" in b:
+            out[f"speedup_{mode}"] = a["ms"] / b["ms"]
+    return out
+
+
+def table(results: list, peaks) -> str:
+    lines = [f"roofline: dense peaks bf16 {peaks[0]:.0f}, FP8 {peaks[1]:.0f} TFLOP/s", "",
+             "| model | projection | rows (pad) | K x N | bf16 fwd ms | FP8 fwd ms | FP8 GEMM fwd ms | fwd x | "
+             "bf16 fwd+bwd ms | FP8 fwd+bwd ms | fwd+bwd x | FP8 fwd+bwd TFLOP/s (% peak) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(case):
+        return f"{case['ms']:.3f}" if "ms" in case else case.get("error", "-")
+
+    for r in results:
+        fb = r.get("fp8_fwd_bwd", {})
+        roof = f"{fb['tflops']:.0f} ({fb['of_peak'] * 100:.0f}%)" if "tflops" in fb else "-"
+        lines.append(
+            f"| {r['model']} | {r['projection']} | {r['rows']} ({r['padding_share'] * 100:.1f}%) | "
+            f"{r['k']} x {r['n']} | "
+            f"{ms(r['bf16_fwd'])} | {ms(r['fp8_fwd'])} | {ms(r['fp8_gemm_fwd'])} | {r.get('speedup_fwd', 0):.2f} | "
+            f"{ms(r['bf16_fwd_bwd'])} | {ms(r['fp8_fwd_bwd'])} | {r.get('speedup_fwd_bwd', 0):.2f} | {roof} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", default=None, help="comma list of mixtral, qwen3moe (default both; toy on a CPU)")
+    p.add_argument("--skew", type=float, default=0.6, help="standard deviation of the expert logits (imbalance)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--bf16-peak", type=float, default=989.0, help="dense bf16 TFLOP/s (H100/H200 SXM)")
+    p.add_argument("--fp8-peak", type=float, default=1979.0, help="dense FP8 TFLOP/s (H100/H200 SXM)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    models = (args.models or ("toy" if device.type == "cpu" else "mixtral,qwen3moe")).split(",")
+    peaks = (args.bf16_peak, args.fp8_peak)
+    results = [measure(m, proj, device, args.skew, args.repeats if device.type == "cuda" else 2, peaks)
+               for m in models for proj in ("gate_up", "down")]
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                torch=torch.__version__, skew=args.skew, peaks_tflops=dict(bf16=peaks[0], fp8=peaks[1]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(meta=meta, results=results), indent=2) + "\n")
+    print(meta)
+    print(table(results, peaks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

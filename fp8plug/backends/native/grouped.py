@@ -1,0 +1,241 @@
+"""The native engine's grouped FP8 GEMM: a mixture-of-experts projection, all experts in one call.
+
+What: out[rows of group e] = x[rows of group e] @ W_e^T, for token rows sorted by expert and group
+ends `offs` (int32, cumulative, one per expert: what transformers' grouped_mm experts forward
+builds), with all three GEMMs in FP8: forward and input gradient as one 2-D x 3-D grouped GEMM
+each, the weight gradient as one 2-D x 2-D GEMM grouped over the token dimension. No Python loop
+over experts on a GPU; the CPU emulation loops over groups (it is the reference, not the fast path).
+
+Why these choices (the kernel's constraints, read from torch's `_scaled_grouped_mm` checks and
+tests, torch 2.11-2.13, sm_90):
+- operands are float8_e4m3fn only (no e5m2), so gradients are e4m3 too; scales are float32 and
+  rowwise: the 2-D operand one per row ([M]), the 3-D operand one per expert and output column
+  ([E, N]); in the grouped-over-K weight gradient one per group and row of each operand
+  ([E * N] and [E * K], group-major). Output is bfloat16 only; offsets int32.
+- the first operand is row-major, the second column-major (a contiguous [E, N, K] weight seen as
+  [E, K, N] through a transpose is exactly that).
+- token groups start at multiples of 16 rows (an empty group gets 16 zero rows): the weight
+  gradient's grouped dimension is the token dimension, read by TMA in 16-byte steps. So each
+  group is padded with zero rows to a multiple of 16 (`GroupLayout`), in a buffer of a size
+  known without reading the offsets (ceil16(S) + 16 * E rows), so nothing syncs with the host
+  and torch.compile sees static shapes.
+  Zero rows add nothing to any product; what they cost is counted by the benchmark.
+- dynamic rowwise scaling: each row's (or per-group column's) own amax, every call. A per-tensor
+  delayed scale shared by all experts would waste range on the experts with small activations,
+  and the kernel takes rowwise scales anyway; dynamic scales need no state, so a checkpoint holds
+  nothing for experts and resume is exact by construction (docs/moe.md).
+A non-finite value stays visible: a NaN or inf amax gives a NaN row (see `rowwise`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from fp8plug.backends.gemm import emulates, fp8_to_float
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+GROUP_ALIGNMENT = 16  # rows per token group, and the stride alignment of the FP8 operands
+AMAX_FLOOR = 1e-12  # an all-zero row (padding) gets a finite scale
+
+
+def grouped_gemm_problem(device: Optional[torch.device] = None) -> Optional[str]:
+    """Why the grouped FP8 GEMM cannot run on `device` (None: it can): emulated on a CPU; on CUDA
+    torch's rowwise `_scaled_grouped_mm` needs sm_90 (Hopper)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"no grouped FP8 GEMM on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return (f"torch._scaled_grouped_mm with rowwise FP8 scales runs on sm_90 (Hopper) only; this GPU is "
+                f"sm_{major}{minor}")
+    return None
+
+
+# --- the padded token layout ---------------------------------------------------------------------
+
+
+class GroupLayout(NamedTuple):
+    """Where each token row of a grouped operand lands once every group starts at a multiple of
+    GROUP_ALIGNMENT, computed on the device from the offsets (no host sync; `group_layout`).
+
+    `rows`: the destination of each of the S input rows in the padded buffer of `padded_rows`
+    rows; `offs`: the padded groups' ends (int32); `group`: the group of each padded row (rows
+    past the last group count as the last one: they are zero). Rows past `offs[-1]` in the input
+    (expert-parallel sentinels) land past the padded last group, where no GEMM reads."""
+
+    rows: torch.Tensor
+    offs: torch.Tensor
+    group: torch.Tensor
+    padded_rows: int
+    experts: int
+
+
+def group_layout(offs: torch.Tensor, num_rows: int) -> GroupLayout:
+    experts = offs.shape[0]
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    # an empty group gets 16 zero rows too: the weight gradient of an expert no token reached is
+    # then computed (zeros) like any other, never left as whatever memory the kernel skipped held
+    padded_sizes = torch.clamp((sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT, min=1) * GROUP_ALIGNMENT
+    padded_ends = torch.cumsum(padded_sizes, 0)
+    zero = ends.new_zeros(1)
+    starts = torch.cat([zero, ends])  # group e starts at starts[e]; "group" E is the tail
+    padded_starts = torch.cat([zero, padded_ends])
+    index = torch.arange(num_rows, device=offs.device)
+    group_of_row = torch.searchsorted(ends, index, right=True)
+    rows = index - starts[group_of_row] + padded_starts[group_of_row]
+    padded_rows = -(-num_rows // GROUP_ALIGNMENT) * GROUP_ALIGNMENT + GROUP_ALIGNMENT * experts
+    padded_index = torch.arange(padded_rows, device=offs.device)
+    group = torch.searchsorted(padded_ends, padded_index, right=True).clamp_(max=experts - 1)
+    return GroupLayout(rows, padded_ends.to(torch.int32), group, padded_rows, experts)
+
+
+def pad_groups(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    """`t`'s rows in the padded layout, zeros between the groups."""
+    return t.new_zeros(layout.padded_rows, t.shape[-1]).index_copy(0, layout.rows, t)
+
+
+def unpad_groups(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    return t.index_select(0, layout.rows)
+
+
+# --- casts ----------------------------------------------------------------------------------------
+
+
+def rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`t` in e4m3 with one scale per row (its last dimension), contiguous, and the inverse scales
+    (what the GEMM multiplies back), shaped as `t` without its last dimension. A row with a NaN
+    or inf amax gets a NaN or zero scale, so its products are NaN: a bad batch stays visible."""
+    amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = E4M3_MAX / amax.clamp(min=AMAX_FLOOR)
+    # |t * scale| <= 448 by construction (the last float32 ulp rounds back to 448 in e4m3): no clamp pass
+    data = (t * scale).to(E4M3).contiguous()
+    return data, scale.reciprocal().squeeze(-1).contiguous()
+
+
+def groupwise_columns(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The padded [P, C] operand of the weight gradient, transposed to row-major [C, P] in e4m3,
+    scaled per group and column (the rows of the transposed operand within each group), and the
+    inverse scales as [E * C], group-major, as the grouped-over-K GEMM takes them."""
+    rows, columns = t.shape
+    # each group is whole 16-row blocks: the amax of every block first (no atomics), then the
+    # blocks' maximum per group (16 times fewer contended updates than row by row)
+    blocks = torch.linalg.vector_norm(t.view(rows // GROUP_ALIGNMENT, GROUP_ALIGNMENT, columns), ord=float("inf"),
+                                      dim=1, dtype=torch.float32)
+    index = layout.group[::GROUP_ALIGNMENT, None].expand(-1, columns)
+    amax = blocks.new_zeros(layout.experts, columns).scatter_reduce_(0, index, blocks, "amax")
+    scale = E4M3_MAX / amax.clamp(min=AMAX_FLOOR)
+    data = (t * scale.index_select(0, layout.group)).to(E4M3)
+    return data.t().contiguous(), scale.reciprocal().reshape(-1).contiguous()
+
+
+# --- the GEMM, real or emulated ---------------------------------------------------------------------
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+                      offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """torch._scaled_grouped_mm on a GPU; on the CPU its emulation (same operands, same result in
+    float32 arithmetic, then `out_dtype`). 2-D x 3-D: a [M, K], b [E, K, N] -> [M, N]; 2-D x 2-D:
+    a [N, P], b [P, K] grouped over P -> [E, N, K]."""
+    if not emulates(a.device):
+        return torch._scaled_grouped_mm(a, b, inv_a, inv_b, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast_accum)
+    return _emulated_grouped_mm(a, b, inv_a, inv_b, offs, out_dtype)
+
+
+@torch.library.custom_op("fp8plug::emulated_scaled_grouped_mm", mutates_args=())
+def _emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+                         offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel computes, group by group: FP8 read exactly, scales applied, float32 GEMMs.
+    One operator, so torch.compile calls it as it is (as the dense emulation, backends.gemm)."""
+    ends = offs.tolist()
+    if b.dim() == 3:  # a [M, K] rows grouped; b [E, K, N] with scales [M] and [E, N]
+        a32 = fp8_to_float(a) * inv_a[:, None]
+        out = a32.new_zeros(a.shape[0], b.shape[2])
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                out[start:end] = a32[start:end] @ (fp8_to_float(b[e]) * inv_b[e][None, :])
+            start = end
+        return out.to(out_dtype)
+    # a [N, P], b [P, K], grouped over P, scales [E * N] and [E * K]
+    n, k, experts = a.shape[0], b.shape[1], len(ends)
+    a32, b32 = fp8_to_float(a), fp8_to_float(b)
+    out = a32.new_zeros(experts, n, k)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            left = a32[:, start:end] * inv_a[e * n:(e + 1) * n, None]
+            out[e] = left @ (b32[start:end] * inv_b[None, e * k:(e + 1) * k])
+        start = end
+    return out.to(out_dtype)
+
+
+@_emulated_grouped_mm.register_fake
+def _(a, b, inv_a, inv_b, offs, out_dtype):
+    if b.dim() == 3:
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+# --- the autograd function ------------------------------------------------------------------------------
+
+
+class _GroupedFP8Linear(torch.autograd.Function):
+    """out = grouped x @ W_e^T with every GEMM in FP8 (module doc). Saves the high-precision input
+    and weight (as the bf16 grouped GEMM does) and re-pads in backward; the three GEMMs each run
+    only where their result is needed (a frozen expert weight gets no weight-gradient GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, transposed: bool, result_dtype: torch.dtype):
+        layout = group_layout(offs, x.shape[0])
+        w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
+        x_fp8, x_inv = rowwise(pad_groups(x, layout))
+        w_fp8, w_inv = rowwise(w_nk)
+        out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
+        out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
+        ctx.save_for_backward(x, weight, offs)
+        ctx.transposed = transposed
+        return unpad_groups(out, layout).to(result_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, offs = ctx.saved_tensors
+        layout = group_layout(offs, x.shape[0])
+        g = pad_groups(grad_out.contiguous(), layout)
+        out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_nk = weight.transpose(-2, -1) if ctx.transposed else weight
+            g_fp8, g_inv = rowwise(g)
+            w_kn_fp8, w_kn_inv = rowwise(w_nk.transpose(-2, -1))  # [E, K, N], one scale per (expert, k)
+            grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs,
+                                       out_dtype, False)
+            grad_x = unpad_groups(grad_x, layout).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g_t, g_t_inv = groupwise_columns(g, layout)  # [N, P]
+            x_t, x_t_inv = groupwise_columns(pad_groups(x, layout), layout)  # [K, P]
+            grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
+            grad_w = (grad_w.transpose(-2, -1) if ctx.transposed else grad_w).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                       transposed: bool = False) -> torch.Tensor:
+    """The grouped FP8 projection: x [S, K] sorted by expert, `offs` the groups' ends ([E] int32),
+    weight [E, N, K] (or [E, K, N] with `transposed`, GPT-OSS's layout) -> [S, N] in the autocast
+    dtype where autocast is on (as a Linear's output under autocast), else in x's dtype."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    result_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed, result_dtype)
+
+
+__all__ = ["GROUP_ALIGNMENT", "GroupLayout", "group_layout", "grouped_fp8_linear", "grouped_gemm_problem",
+           "pad_groups", "rowwise", "scaled_grouped_mm", "unpad_groups"]

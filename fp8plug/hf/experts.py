@@ -1,0 +1,269 @@
+"""A transformers mixture-of-experts model's expert GEMMs in FP8, through transformers' own experts registry.
+
+Why: in transformers 5 an MoE block's experts are one module of 3-D parameters (`gate_up_proj`
+[E, 2I, H] or `up_proj`, `down_proj` [E, H, I], biases in GPT-OSS, [E, H, 2I] where the class says
+`is_transposed`), run by whichever function `config._experts_implementation` names
+(`@use_experts_implementation`: "eager", "batched_mm", "grouped_mm", ...). None of it is an
+nn.Linear, so Linear conversion leaves most of an MoE model's FLOPs in bf16.
+
+What: conversion (fp8plug.api.convert_with_plan) registers FP8PLUG_EXPERTS with that registry and
+switches each transformers model holding such experts to it, where the engine offers a grouped
+FP8 GEMM (its optional `grouped_gemm`: native's is backends/native/grouped.py). Each experts
+module that converts gets that GEMM as an attribute (nothing in its state dict changes); its
+forward is the grouped forward transformers runs for "grouped_mm" (tokens sorted by expert, one
+grouped GEMM per projection), with the projections in FP8 and everything else as the model's
+class says: its `_apply_gate` (concatenated or interleaved gate/up), no gate (`up_proj` and the
+activation), biases, transposed weights, a post-expert norm. Routing, the top-k weights and the
+router (an nn.Linear the Linear rules decide about) are not touched by this. A module left alone
+(modules_to_ignore, unaligned shapes, an engine without a grouped GEMM), eval mode outside an FP8
+region, and expert parallelism run the implementation the model had before, unchanged.
+`unconvert_model` and `export_model` switch back (`restore_experts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fp8plug._upstream import (
+    apply_gate,
+    experts_function,
+    experts_implementation,
+    is_expert_parallel,
+    original_experts_forward,
+    register_experts_function,
+    set_experts_implementation,
+)
+from fp8plug.backends.base import offers
+from fp8plug.backends.region import fp8_now
+from fp8plug.hf.attention import transformers_models
+from fp8plug.layers.gemm_counts import EXPERT_COUNTS, FP8, HIGH_PRECISION
+from fp8plug.layers.rules import ALIGNMENT, IGNORED, NOT_ELIGIBLE, ConversionReport, ignore_in_ddp, module_paths
+from fp8plug.tuning.roofline import SpeedFilter, predict_ms
+
+logger = logging.getLogger("fp8plug")
+
+FP8PLUG_EXPERTS = "fp8plug_fp8_experts"
+GEMM = "_fp8plug_grouped_gemm"  # experts module attribute: the engine's grouped FP8 GEMM (converted modules only)
+BEFORE = "_fp8plug_experts_before"  # experts module and model attribute: the implementation it had
+NO_GEMM = "no grouped FP8 GEMM"  # the report's kind for experts an engine cannot run
+SPEED = "experts kept in bf16 by the speed filter"
+
+
+# --- finding experts and reading their layout ---------------------------------------------------------
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers experts module run through the registry: decorated class, 3-D down_proj."""
+    down = getattr(module, "down_proj", None)
+    return (original_experts_forward(module) is not None and isinstance(down, nn.Parameter) and down.dim() == 3
+            and hasattr(module, "config"))
+
+
+def experts_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    return ((fqn, m) for fqn, m in model.named_modules() if is_experts(m))
+
+
+def has_gate(module: nn.Module) -> bool:
+    return bool(getattr(module, "has_gate", isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)))
+
+
+def up_weight(module: nn.Module) -> nn.Parameter:
+    return module.gate_up_proj if has_gate(module) else module.up_proj
+
+
+def up_bias(module: nn.Module) -> Optional[torch.Tensor]:
+    return getattr(module, "gate_up_proj_bias" if has_gate(module) else "up_proj_bias", None)
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether the weights are stored [E, in, out] (GPT-OSS) rather than [E, out, in]: the class's
+    flag where transformers sets one, else read from down_proj's shape against the hidden size."""
+    for flag in ("is_transposed", "experts_are_transposed"):
+        if hasattr(module, flag):
+            return bool(getattr(module, flag))
+    hidden = getattr(module.config, "hidden_size", None)
+    return module.down_proj.shape[-1] == hidden and module.down_proj.shape[-2] != hidden
+
+
+def shape_problem(module: nn.Module) -> Optional[str]:
+    """Why the experts' GEMMs cannot run in FP8 (unaligned shapes, weights not floating), or None."""
+    dims = {"up": tuple(up_weight(module).shape[1:]), "down": tuple(module.down_proj.shape[1:])}
+    bad = [f"{name} {a}x{b}" for name, (a, b) in dims.items() if a % ALIGNMENT or b % ALIGNMENT]
+    if bad:
+        return f"expert weight shapes {', '.join(bad)} not divisible by {ALIGNMENT} (FP8 GEMMs need aligned shapes)"
+    if not module.down_proj.dtype.is_floating_point:
+        return f"expert weights are {module.down_proj.dtype}, not floating point"
+    return None
+
+
+def gemm_dims(module: nn.Module) -> List[Tuple[int, int]]:
+    """(K, N) of each projection's per-expert GEMM: up (or gate_up), then down."""
+    dims = [tuple(up_weight(module).shape[1:]), tuple(module.down_proj.shape[1:])]
+    return [(a, b) if is_transposed(module) else (b, a) for a, b in dims]
+
+
+def speed_problem(module: nn.Module, speed_filter) -> Optional[str]:
+    """Why the automatic speed filter (fp8plug.tuning.roofline.SpeedFilter, the plan's where it is
+    on) keeps these experts in bf16, or None. The experts' GEMMs are predicted as E GEMMs of the
+    tokens an expert gets on average (tokens x top-k / E) in one launch (one overhead), both
+    projections together: the dense cost model, not a grouped kernel's measured costs."""
+    if not isinstance(speed_filter, SpeedFilter):
+        return None
+    experts = module.down_proj.shape[0]
+    top_k = int(getattr(module.config, "num_experts_per_tok", 1) or 1)
+    m = max(1, speed_filter.tokens * top_k // experts)
+
+    def total(costs, fp8):
+        each = sum(predict_ms(m, k, n, costs, fp8) - costs.overhead_us * 1e-3 for k, n in gemm_dims(module))
+        return experts * each + costs.overhead_us * 1e-3
+
+    predicted = total(speed_filter.bf16, False) / total(speed_filter.fp8, True)
+    if predicted >= speed_filter.min_speedup:
+        return None
+    return (f"{speed_filter.source or 'roofline filter'}: FP8 predicted {predicted:.2f}x bf16's speed at {m} tokens "
+            f"per expert ({speed_filter.tokens} tokens, top-{top_k} of {experts} experts; needs "
+            f"{speed_filter.min_speedup:g}x)")
+
+
+# --- the forward ---------------------------------------------------------------------------------------
+
+
+def _count(module: nn.Module, fp8: bool, calls: int = 2) -> None:
+    """Count this forward's two projections (fp8plug.coverage): FP8, or high precision in training."""
+    counts = module._buffers.get(EXPERT_COUNTS)
+    if counts is None or not (fp8 or module.training):
+        return
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        return  # recomputed during backward (activation checkpointing)
+    counts.select(0, FP8 if fp8 else HIGH_PRECISION).add_(calls)
+
+
+def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """FP8PLUG_EXPERTS: the grouped experts forward with both projections through the engine's
+    grouped FP8 GEMM; the implementation the model had for modules left alone and out of FP8."""
+    gemm = getattr(self, GEMM, None)
+    if gemm is None or is_expert_parallel(self) or not fp8_now(self.training):
+        _count(self, False)
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
+    _count(self, True)
+    top_k = top_k_index.shape[-1]
+    tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    expert_of_pair = top_k_index.reshape(-1)
+    expert_sorted, order = torch.sort(expert_of_pair)
+    x = hidden_states[order // top_k]
+    pair_weights = top_k_weights.reshape(-1)[order]
+    experts = self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0]
+    # histc rather than bincount: a fixed output size (static under torch.compile, no host sync)
+    ids = expert_sorted.float() if expert_sorted.device.type == "cpu" else expert_sorted.int()
+    offs = torch.cumsum(torch.histc(ids, bins=experts, min=0, max=experts - 1), 0).to(torch.int32)
+    transposed = is_transposed(self)
+
+    def project(inputs, weight, bias):
+        out = gemm(inputs, weight, offs, transposed)
+        return out if bias is None else out + bias[expert_sorted].to(out.dtype)
+
+    gate = has_gate(self)
+    h = project(x, up_weight(self), up_bias(self) if getattr(self, "has_bias", True) else None)
+    if gate:
+        h = apply_gate(self, h)
+    else:
+        h = self.act_fn(h)
+    out = project(h, self.down_proj, getattr(self, "down_proj_bias", None) if getattr(self, "has_bias", True) else None)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * pair_weights.unsqueeze(-1)  # the routing weights as they are (float32 promotes, as in transformers)
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+# The implementations converted models had, by name, looked up at conversion: the forward then
+# reads a dict rather than importing transformers' registry (which torch.compile would trace),
+# and a module keeps only the name (a function beneath transformers' decorator cannot be pickled
+# by name, so a converted model would no longer torch.save).
+_FALLBACKS = {}
+
+
+def _fallback(module: nn.Module):
+    name = getattr(module, BEFORE, None)
+    function = _FALLBACKS.get(name)
+    if function is None and not torch.compiler.is_compiling():
+        function = _FALLBACKS[name] = experts_function(module, name)
+    return function or original_experts_forward(module)
+
+
+# --- conversion and back -----------------------------------------------------------------------------
+
+
+def convert_experts(model: nn.Module, engine, plan, report: ConversionReport) -> List[str]:
+    """Give every eligible experts module of `model` the engine's grouped FP8 GEMM, switch the
+    transformers models holding them to FP8PLUG_EXPERTS, and record each experts module in
+    `report` (`experts`: converted, or skipped with the reason). Returns the converted fqns."""
+    found = list(experts_modules(model))
+    if not found:
+        return []
+    ignore = set(plan.modules_to_ignore or ())
+    paths = module_paths(model)
+    converted = []
+    for fqn, module in found:
+        report.experts.append(fqn)
+        problem = None if offers(engine, "grouped_gemm") else f"the {engine.name} engine has no grouped FP8 GEMM"
+        gemm = None
+        if ignore.intersection(paths.get(fqn, ())):
+            report.skip(fqn, "listed in modules_to_ignore", IGNORED)
+            continue
+        problem = problem or shape_problem(module) or speed_problem(module, plan.module_filter_fn)
+        if problem is None:
+            device = module.down_proj.device
+            gemm = engine.grouped_gemm(plan, device if device.type == "cuda" else None)
+            problem = gemm if isinstance(gemm, str) else None
+        if problem:
+            kind = SPEED if "predicted" in problem else NOT_ELIGIBLE
+            report.skip(fqn, problem, NO_GEMM if "engine" in problem or "sm_" in problem else kind)
+            continue
+        setattr(module, GEMM, gemm)
+        if EXPERT_COUNTS not in module._buffers:
+            module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=module.down_proj.device),
+                                   persistent=False)
+            ignore_in_ddp(model, [f"{fqn}.{EXPERT_COUNTS}"])
+        report.converted.append(fqn)
+        converted.append(fqn)
+    if converted:
+        _switch(model)
+    return converted
+
+
+def _switch(model: nn.Module) -> None:
+    """Put every transformers model holding experts on FP8PLUG_EXPERTS, each experts module
+    remembering the implementation it had (what it runs when not in FP8)."""
+    register_experts_function(FP8PLUG_EXPERTS, fp8_experts_forward)
+    for hf_model in transformers_models(model):
+        before = experts_implementation(hf_model.config)
+        if before == FP8PLUG_EXPERTS:
+            continue
+        for _, module in experts_modules(hf_model):
+            name = experts_implementation(module.config)
+            setattr(module, BEFORE, name)
+            if name not in (None, "eager"):  # "eager" is each class's own forward, read from the module
+                _FALLBACKS.setdefault(name, experts_function(module, name))
+        hf_model.__dict__[BEFORE] = before
+        set_experts_implementation(hf_model, FP8PLUG_EXPERTS)
+
+
+def restore_experts(model: nn.Module) -> None:
+    """Undo convert_experts: each model back on the implementation it had, the experts plain."""
+    for hf_model in transformers_models(model):
+        before = hf_model.__dict__.pop(BEFORE, None)
+        if before is not None and experts_implementation(hf_model.config) == FP8PLUG_EXPERTS:
+            set_experts_implementation(hf_model, before)
+    for _, module in experts_modules(model):
+        for name in (GEMM, BEFORE):
+            module.__dict__.pop(name, None)
+        module._buffers.pop(EXPERT_COUNTS, None)
+
+
+__all__ = ["FP8PLUG_EXPERTS", "convert_experts", "experts_modules", "fp8_experts_forward", "restore_experts"]

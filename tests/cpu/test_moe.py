@@ -1,0 +1,339 @@
+"""Mixture-of-experts models in FP8 (docs/moe.md): a transformers MoE block's experts run their
+grouped GEMMs through the engine's grouped FP8 GEMM (fp8plug.hf.experts, native's
+backends/native/grouped.py), checked against a float reference, on every architecture named in
+issue 43 built from a tiny config (tests/support/moe_models.py)."""
+
+import copy
+
+import pytest
+import torch
+
+import fp8plug
+from fp8plug import FP8RecipeKwargs
+from fp8plug.backends import get_backend
+from fp8plug.backends.native import grouped
+from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
+from tests.support.hf import fresh
+from tests.support.moe_models import ARCHITECTURES, EXPERTS, VOCAB, builder
+from tests.support.numerics import sqnr_db
+
+GROUP_SIZES = [5, 0, 17, 10, 32]  # unaligned, an empty expert, an aligned one
+
+
+def _offsets(sizes):
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def _per_expert(x, w, sizes, fn):
+    """fn(x rows of expert e, w[e]) for each expert, concatenated: the loop the grouped GEMM replaces."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        out.append(fn(x[start:start + size], w[e]))
+        start += size
+    return torch.cat(out)
+
+
+def _quantized(t):
+    """`t` through e4m3 with one scale per row, back in float32: what the GEMM multiplies."""
+    data, inverse = grouped.rowwise(t)
+    return data.float() * inverse[..., None]
+
+
+def _build(name, **overrides):
+    build = builder(name)
+    if build is None:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {ARCHITECTURES[name][1]}")
+    model = build(**overrides)
+    if not list(experts_modules(model)):
+        pytest.skip(f"transformers {__import__('transformers').__version__} runs {ARCHITECTURES[name][1]}'s experts "
+                    "outside its experts registry (@use_experts_implementation)")
+    return model
+
+
+def _batch(seed=1, tokens=24):
+    return torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+# --- the grouped GEMM ------------------------------------------------------------------------------------
+
+
+def test_layout_pads_each_group_to_16_rows_without_moving_their_order():
+    layout = grouped.group_layout(_offsets(GROUP_SIZES), sum(GROUP_SIZES))
+    assert layout.offs.dtype == torch.int32 and layout.offs.tolist() == [16, 32, 64, 80, 112]
+    assert layout.padded_rows % 16 == 0 and layout.padded_rows >= int(layout.offs[-1])
+    assert layout.rows.tolist() == list(range(5)) + list(range(32, 49)) + list(range(64, 74)) + list(range(80, 112))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_gemm_emulation_is_exact_against_dequantized_float_reference(transposed):
+    torch.manual_seed(0)
+    k, n = 32, 48
+    x = torch.randn(sum(GROUP_SIZES), k)
+    w = torch.randn(len(GROUP_SIZES), n, k)
+    stored = w.transpose(-2, -1).contiguous() if transposed else w
+    out = grouped.grouped_fp8_linear(x, stored, _offsets(GROUP_SIZES), transposed=transposed)
+    # the same quantization, then float32 GEMMs one expert at a time
+    reference = _per_expert(_quantized(x), _quantized(w), GROUP_SIZES, lambda a, b: a @ b.t())
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+    assert sqnr_db(out, _per_expert(x, w, GROUP_SIZES, lambda a, b: a @ b.t())) > 25
+
+
+def test_grouped_gemm_gradients_in_fp8_against_float():
+    torch.manual_seed(0)
+    k, n = 32, 48
+    x = torch.randn(sum(GROUP_SIZES), k, requires_grad=True)
+    w = torch.randn(len(GROUP_SIZES), n, k, requires_grad=True)
+    grad = torch.randn(sum(GROUP_SIZES), n)
+    out = grouped.grouped_fp8_linear(x, w, _offsets(GROUP_SIZES))
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    ref = _per_expert(x, w, GROUP_SIZES, lambda a, b: a @ b.t())
+    rx, rw = torch.autograd.grad(ref, (x, w), grad)
+    assert sqnr_db(gx, rx) > 25 and sqnr_db(gw, rw) > 25
+    assert gw[1].abs().sum() == 0  # the expert no token reached gets no gradient
+    # the input gradient is exactly the FP8 GEMM of the quantized operands (rowwise over N, the weight per k)
+    w_kn = w.detach().transpose(-2, -1)
+    exact = _per_expert(_quantized(grouped.pad_groups(grad, grouped.group_layout(_offsets(GROUP_SIZES), len(grad)))
+                                   .index_select(0, grouped.group_layout(_offsets(GROUP_SIZES), len(grad)).rows)),
+                        _quantized(w_kn), GROUP_SIZES, lambda a, b: a @ b.t())
+    torch.testing.assert_close(gx, exact, rtol=1e-6, atol=1e-5)
+
+
+def test_a_non_finite_input_row_stays_visible():
+    x = torch.randn(sum(GROUP_SIZES), 32)
+    x[3, 0] = float("inf")
+    out = grouped.grouped_fp8_linear(x, torch.randn(len(GROUP_SIZES), 16, 32), _offsets(GROUP_SIZES))
+    assert not torch.isfinite(out[3]).any() and torch.isfinite(out[4:]).all()
+
+
+# --- every architecture ------------------------------------------------------------------------------------
+
+
+def _loss(model, ids):
+    logits = model(ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architecture_experts_run_fp8_close_to_float(name):
+    model = _build(name)
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    before = model.config._experts_implementation
+    report = fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    fqns = [fqn for fqn, _ in experts_modules(model)]
+    assert fqns and report.experts == fqns and set(fqns) <= set(report.converted)
+    assert model.config._experts_implementation == FP8PLUG_EXPERTS
+    assert list(model.state_dict()) == keys
+    ids = _batch()
+    model.train(), reference.train()
+    loss, ref_loss = _loss(model, ids), _loss(reference, ids)
+    coverage = fp8plug.fp8_coverage(model)["layers"]
+    assert all(coverage[fqn] == (2, 0) for fqn in fqns)  # both projections, in FP8
+    assert sqnr_db(model(ids).logits, reference(ids).logits) > 18
+    loss.backward(), ref_loss.backward()
+    for fqn in fqns:
+        got, want = model.get_submodule(fqn), reference.get_submodule(fqn)
+        for param in ("down_proj", "gate_up_proj" if hasattr(want, "gate_up_proj") else "up_proj"):
+            # FP8 Linears around the experts, and a top-k choice flipped by them, count here too
+            assert sqnr_db(getattr(got, param).grad, getattr(want, param).grad) > 10, (fqn, param)
+    fp8plug.unconvert_model(model)
+    assert model.config._experts_implementation == before
+    assert not any(name.endswith("expert_gemm_counts") for name, _ in model.named_buffers())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_a_few_fp8_steps_lower_the_loss(name):
+    model = _build(name)
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids, losses = _batch(), []
+    model.train()
+    for _ in range(6):
+        loss = _loss(model, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert fp8plug.fp8_coverage(model)["layers"]["model.layers.0.mlp.experts"] == (12, 0)
+
+
+def test_accelerator_with_recipe_kwargs_converts_the_experts():
+    fresh()
+    model = _build("qwen3_moe")
+    accelerator = fp8plug.Accelerator(cpu=True, mixed_precision="fp8",
+                                      kwargs_handlers=[FP8RecipeKwargs(backend="native")])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    assert inner.config._experts_implementation == FP8PLUG_EXPERTS
+    loss = _loss(model, _batch())
+    accelerator.backward(loss)
+    optimizer.step()
+    assert fp8plug.fp8_coverage(inner)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
+    fresh()
+
+
+def test_eval_runs_the_implementation_the_model_had():
+    model = _build("mixtral")
+    reference = copy.deepcopy(model).eval()
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    model.eval()
+    torch.manual_seed(0)
+    x, idx, w = torch.randn(8, 64), torch.randint(0, EXPERTS, (8, 2)), torch.rand(8, 2)
+    with torch.no_grad():
+        got = model.get_submodule("model.layers.0.mlp.experts")(x, idx, w)
+        assert torch.equal(got, reference.get_submodule("model.layers.0.mlp.experts")(x, idx, w))
+        model(_batch())
+    assert fp8plug.fp8_coverage(model)["layers"]["model.layers.0.mlp.experts"] == (0, 0)  # eval is not counted
+
+
+def test_modules_to_ignore_names_an_experts_module():
+    model = _build("olmoe")
+    report = fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native",
+                                                                 modules_to_ignore=["model.layers.0.mlp.experts"]))
+    assert report.skipped["model.layers.0.mlp.experts"] == "listed in modules_to_ignore"
+    assert "0 of 1 MoE experts modules" in report.summary()
+    model.train()
+    _loss(model, _batch()).backward()
+    assert fp8plug.fp8_coverage(model)["layers"].get("model.layers.0.mlp.experts") is None
+
+
+def test_unaligned_expert_shapes_stay_high_precision_with_the_reason():
+    model = _build("mixtral", intermediate_size=24)
+    report = fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    reason = report.skipped["model.layers.0.mlp.experts"]
+    assert "not divisible by 16" in reason and "down 64x24" in reason
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_engines_without_a_grouped_gemm_say_why():
+    model = _build("mixtral")
+    report = fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="ao"))
+    assert "torchao" in report.skipped["model.layers.0.mlp.experts"]
+    assert model.config._experts_implementation == "grouped_mm"
+    from fp8plug.backends.te.engine import TEEngine
+
+    assert "GroupedLinear" in TEEngine().grouped_gemm()
+    assert callable(get_backend("native").grouped_gemm(None, None))
+
+
+# --- what holds for Linears holds for experts ---------------------------------------------------------------
+
+
+def test_frozen_experts_under_peft_lora_skip_the_weight_gradient_gemms(monkeypatch):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_build("mixtral"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    calls = []
+    original = grouped.groupwise_columns
+    monkeypatch.setattr(grouped, "groupwise_columns", lambda *a: calls.append(1) or original(*a))
+    model.train()
+    _loss(model, _batch()).backward()
+    experts = model.get_submodule("base_model.model.model.layers.0.mlp.experts")
+    assert experts.gate_up_proj.grad is None and calls == []  # no weight-gradient GEMM, no cast for it
+    assert fp8plug.fp8_coverage(model)["layers"]["base_model.model.model.layers.0.mlp.experts"] == (2, 0)
+    lora = [p for n, p in model.named_parameters() if "lora_B" in n]  # lora_A's gradient is zero at the start
+    assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+def test_activation_checkpointing_recomputes_the_same_fp8_experts():
+    model = _build("qwen2_moe")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", scaling="dynamic"))
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    model.train(), checkpointed.train()
+    ids = _batch()
+    _loss(model, ids).backward()
+    _loss(checkpointed, ids).backward()
+    for (name, param), other in zip(model.named_parameters(), checkpointed.parameters()):
+        if "experts" in name:  # dynamic rowwise scales: the recomputed forward is the same, bit for bit
+            assert torch.equal(param.grad, other.grad), name
+    assert fp8plug.fp8_coverage(checkpointed)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
+
+
+def test_experts_keep_no_fp8_state_so_a_reloaded_model_runs_identically():
+    model = _build("deepseek_v3")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    state = get_backend("native").fp8_state(model)
+    assert state and not any(fqn.endswith("mlp.experts") for fqn in state)  # the shared experts' Linears have some
+    again = _build("deepseek_v3", seed=3)
+    fp8plug.convert_model(again, recipe=FP8RecipeKwargs(backend="native"))
+    again.load_state_dict(model.state_dict())
+    model.train(), again.train()
+    ids = _batch()
+    x, idx, w = torch.randn(8, 64), torch.randint(0, EXPERTS, (8, 2)), torch.rand(8, 2)
+    fqn = "model.layers.0.mlp.experts"
+    assert torch.equal(model.get_submodule(fqn)(x, idx, w), again.get_submodule(fqn)(x, idx, w))
+    assert list(again.state_dict()) == list(model.state_dict()) and again(ids).logits.shape == (2, 24, VOCAB)
+
+
+def test_export_model_puts_the_implementation_back_and_leaves_nothing_of_fp8plug():
+    model = _build("glm4_moe")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    fp8plug.export_model(model)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert model.config._experts_implementation == "grouped_mm"
+    assert not [name for name in vars(experts) if "fp8plug" in name]
+    assert not [name for name, _ in model.named_buffers() if "fp8plug" in name]
+
+
+def test_a_nan_input_row_stays_nan():
+    x = torch.randn(sum(GROUP_SIZES), 32)
+    x[40, 5] = float("nan")
+    out = grouped.grouped_fp8_linear(x, torch.randn(len(GROUP_SIZES), 16, 32), _offsets(GROUP_SIZES))
+    assert torch.isnan(out[40]).all() and torch.isfinite(out[:40]).all()
+
+
+def test_a_converted_moe_model_pickles_and_still_runs_its_experts(tmp_path):
+    model = _build("mixtral")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    again.train()
+    _loss(again, _batch()).backward()
+    assert fp8plug.fp8_coverage(again)["layers"]["model.layers.0.mlp.experts"] == (2, 0)
+
+
+def test_the_speed_filter_keeps_experts_too_small_to_gain_in_bf16():
+    from fp8plug.tuning.roofline import make_module_filter
+
+    small = _build("mixtral")  # 4 experts of 64 x 32: no FP8 GEMM can gain there
+    report = fp8plug.convert_model(small, recipe=FP8RecipeKwargs(
+        backend="native", module_filter_fn=make_module_filter("native", tokens=8192, min_speedup=0.85)))
+    reason = report.skipped["model.layers.0.mlp.experts"]
+    assert "FP8 predicted" in reason and "4096 tokens per expert" in reason and "top-2 of 4 experts" in reason
+    assert small.config._experts_implementation == "grouped_mm"
+    # Mixtral's shapes (hidden 4096, expert ffn 14336, 8 experts top-2) are predicted to gain
+    from fp8plug.hf.experts import speed_problem
+
+    with torch.device("meta"):
+        large = _build("mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128)
+    experts = large.get_submodule("model.layers.0.mlp.experts")
+    assert speed_problem(experts, make_module_filter("native", tokens=8192, min_speedup=0.85)) is None
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_the_experts_and_trains_them_in_fp8(tmp_path):
+    from tests.support.moe_fsdp2_worker import run_ranks
+
+    for rank in run_ranks(tmp_path, 4, FP8PLUG_TEST_CPU="1"):
+        assert rank["placement"] == "(Shard(dim=0),)"  # the experts' 3-D weights, sharded by expert
+        assert rank["experts"] == [8, 0] and rank["implementation"] == FP8PLUG_EXPERTS
+        assert rank["losses"][-1] < rank["losses"][0]
+
+
+def test_save_fp8_checkpoint_names_the_experts_it_writes_in_high_precision(tmp_path):
+    import json
+
+    from fp8plug.checkpoints.export import load_fp8_checkpoint, save_fp8_checkpoint
+
+    model = _build("qwen3_moe")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    report = save_fp8_checkpoint(model, str(tmp_path / "ckpt"))
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.experts" in config["modules_to_not_convert"]
+    assert "model.layers.0.mlp.experts" in report.kept and "model.layers.0.self_attn.q_proj" in report.quantized
+    state = load_fp8_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(state["model.layers.0.mlp.experts.down_proj"], model.model.layers[0].mlp.experts.down_proj)

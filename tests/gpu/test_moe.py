@@ -1,0 +1,121 @@
+"""Mixture-of-experts experts in FP8 on the GPU (sm_90): torch._scaled_grouped_mm's numerics for all
+three GEMMs against the CPU emulation and a float64 reference, and small Mixtral / Qwen3-MoE
+models training through fp8plug, eager and compiled (docs/moe.md)."""
+
+import copy
+
+import pytest
+import torch
+
+import fp8plug
+from fp8plug import FP8RecipeKwargs
+from fp8plug.backends.native import grouped
+from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
+from tests.support.hf import fresh
+from tests.support.moe_models import builder
+from tests.support.numerics import rel_error, sqnr_db
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="torch._scaled_grouped_mm with rowwise scales needs sm_90")
+
+SIZES = [37, 0, 128, 5, 300, 16, 64, 1]  # unaligned, empty, aligned
+
+
+def _per_expert(x, w, fn):
+    out, start = [], 0
+    for e, size in enumerate(SIZES):
+        out.append(fn(x[start:start + size], w[e]))
+        start += size
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_three_grouped_gemms_match_the_emulation_and_float64(transposed):
+    torch.manual_seed(0)
+    k, n = 256, 512
+    offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(SIZES), k, dtype=torch.bfloat16)
+    w = (torch.randn(len(SIZES), n, k) * 0.05).to(torch.bfloat16)
+    g = torch.randn(sum(SIZES), n, dtype=torch.bfloat16)
+    stored = w.transpose(-2, -1).contiguous() if transposed else w
+    results = {}
+    for device in ("cuda", "cpu"):
+        xd = x.to(device).requires_grad_()
+        wd = stored.to(device).requires_grad_()
+        out = grouped.grouped_fp8_linear(xd, wd, offs.to(device), transposed=transposed)
+        gx, gw = torch.autograd.grad(out, (xd, wd), g.to(device))
+        results[device] = [t.float().cpu() for t in (out, gx, gw)]
+    x64, w64 = x.double().requires_grad_(), stored.double().requires_grad_()
+    w_nk = w64.transpose(-2, -1) if transposed else w64
+    ref = _per_expert(x64, w_nk, lambda a, b: a @ b.t())
+    references = [ref, *torch.autograd.grad(ref, (x64, w64), g.double())]
+    for name, gpu, cpu, want in zip(("forward", "input grad", "weight grad"), results["cuda"], results["cpu"],
+                                    references):
+        assert rel_error(gpu, cpu) < 2e-2, name  # the kernel computes what the emulation does (bf16 output)
+        assert sqnr_db(gpu, want) > 25, name
+
+
+def _train(model, steps, compiled=False, ids=None):
+    fresh()
+    accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="native")])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if compiled:
+        model = torch.compile(model)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return accelerator.unwrap_model(model), losses
+
+
+def _bf16(model, steps, ids):
+    """The reference: bf16 autocast, the experts through transformers' per-expert eager loop (with
+    fp32 weights, grouped_mm's dtype support differs between torch versions)."""
+    model.set_experts_implementation("eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_small_moe_trains_with_fp8_experts(name, compiled):
+    build = builder(name)
+    if build is None:
+        pytest.skip(f"this transformers has no {name}")
+    ffn = dict(intermediate_size=512) if name == "mixtral" else dict(moe_intermediate_size=256)
+    sizes = dict(hidden_size=256, num_hidden_layers=2, vocab_size=512, **ffn)
+    model = build(**sizes).cuda()
+    if not list(experts_modules(model)):
+        pytest.skip(f"this transformers runs {name}'s experts outside its experts registry")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    model, losses = _train(model, 30, compiled, ids)
+    assert model.config._experts_implementation == FP8PLUG_EXPERTS
+    experts = {k: v for k, v in fp8plug.fp8_coverage(model)["layers"].items() if k.endswith("experts")}
+    assert len(experts) == 2 and all(fp8 == 60 and hp == 0 for fp8, hp in experts.values()), experts
+    ref_losses = _bf16(reference, 30, ids)
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[-1] + 0.05, (losses[-1], ref_losses[-1])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fsdp2_on_two_gpus_shards_the_experts_and_trains_them_in_fp8(tmp_path):
+    from tests.support.moe_fsdp2_worker import run_ranks
+
+    for rank in run_ranks(tmp_path, 20):
+        assert rank["placement"] == "(Shard(dim=0),)"
+        assert rank["experts"] == [40, 0] and rank["implementation"] == FP8PLUG_EXPERTS
+        assert rank["losses"][-1] < 0.7 * rank["losses"][0]
