@@ -121,6 +121,15 @@ OPTIONAL = {
                                "through (fp8plug.Accelerator)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
+    "operand_scales": "operand_scales(module) -> {'input'|'weight'|'grad_output': scale}: how a converted Linear "
+                      "scales each operand now: a float32 tensor (the scale it casts with, e.g. delayed scaling's), "
+                      "a granularity word ('rowwise', 'blockwise': from the current amax at that granularity) or "
+                      "None (the current amax, per tensor); the numerics watch emulates the cast with it "
+                      "(fp8plug.numerics.watch). Without it, every operand counts as None",
+    "rescale_layer": "rescale_layer(model, fqn, scaling): move the one converted Linear `fqn` to the finer "
+                     "`scaling` ('rowwise', 'blockwise') or to high precision ('bf16'), keeping its Parameters; "
+                     "ValueError for a scaling it lacks (the numerics guard then tries the next, "
+                     "fp8plug.numerics.guard)",
 }
 
 

@@ -124,10 +124,18 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+# The model's attribute holding the numerics guard's moves (fp8plug.numerics.guard.moves_of):
+# {layer fqn: {"scaling": where it went, "why": ..., "step": ...}}, which fp8_coverage shows.
+GUARD_MOVES = "_fp8plug_guard_moves"
+
+
 def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
     """The running GEMM counts of `model`'s converted Linear layers:
 
         {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
+
+    plus "moved": {fqn: what the numerics guard did and why} where it moved a layer
+    (fp8plug.numerics.guard).
 
     counted per forward call since conversion or the last reset (what counts as a call:
     docs/troubleshooting.md). `reset=True` zeroes the counts after reading them, e.g. once per
@@ -149,11 +157,16 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
                 for _, counts in found:
                     counts.zero_()
         layers = {fqn: (int(fp8), int(hp)) for (fqn, _), (fp8, hp) in zip(found, values)}
-    return {
+    result = {
         "fp8_gemms": sum(fp8 for fp8, _ in layers.values()),
         "high_precision_gemms": sum(hp for _, hp in layers.values()),
         "layers": layers,
     }
+    moves = model.__dict__.get(GUARD_MOVES)
+    if moves:  # {fqn: "moved to bf16 by the numerics guard (SQNR 12.3 dB < 20 dB for 3 checks)"}
+        result["moved"] = {fqn: f"moved to {m['scaling']} by the numerics guard ({m['why']})"
+                           for fqn, m in moves.items()}
+    return result
 
 
 __all__ = ["COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter", "use_engine_lookup"]

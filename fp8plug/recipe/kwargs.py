@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
 from fp8plug.recipe.checks import Integer, OneOf, parse_bool  # noqa: E402
 from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
 from fp8plug.recipe.environment import from_environment  # noqa: E402
+from fp8plug.recipe.numerics import NUMERICS_CHECKS, NUMERICS_DEFAULTS  # noqa: E402
 from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: for importers of this module)
     AMAX_COMPUTE_ALGOS,
     DELAYED_CHECKS,
@@ -50,6 +51,7 @@ DEFAULTS = {
     "auto_filter_tokens": None,
     "skip_causal_mask": True,
     "fp8_dpa": False,
+    **NUMERICS_DEFAULTS,
     **DELAYED_DEFAULTS,
 }
 # What each field that only some engines read applies to: the reason in the warning an engine
@@ -110,6 +112,11 @@ class FP8RecipeKwargs(KwargsHandler):
         auto_filter_tokens: the tokens per GPU per step the filter assumes (default 8192).
         skip_causal_mask: SDPA's is_causal instead of a built causal mask (default True).
         fp8_dpa: FP8 attention through TransformerEngine (default False).
+        numerics_watch_interval: every how many optimizer steps the numerics watch checks every
+            FP8 layer (fp8plug.numerics.watch); 0, the default, never.
+        numerics_guard: move a layer whose checks stay bad to a finer scaling or high precision
+            (fp8plug.numerics.guard; default False); guard_min_sqnr_db, guard_max_saturation and
+            guard_patience say when (fp8plug.recipe.numerics: each, its default and bounds).
 
     Accelerate's own names are accepted too (ACCELERATE_NAMES): module_filter_func, config,
     amax_history_length, amax_compute_algorithm, optimization_level, use_mxfp8_block_scaling.
@@ -136,6 +143,11 @@ class FP8RecipeKwargs(KwargsHandler):
     reduce_amax: Optional[bool] = None
     skip_causal_mask: Optional[bool] = None
     fp8_dpa: Optional[bool] = None
+    numerics_watch_interval: Optional[int] = None
+    numerics_guard: Optional[bool] = None
+    guard_min_sqnr_db: Optional[float] = None
+    guard_max_saturation: Optional[float] = None
+    guard_patience: Optional[int] = None
     # Accelerate's names for fields above, in ACCELERATE_NAMES's order; taken in __post_init__.
     module_filter_func: InitVar[Optional[Callable]] = None
     config: InitVar[Optional[object]] = None
@@ -346,6 +358,7 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "auto_filter_tokens": _optional(Integer(1, 2**31 - 1, "it is a GEMM dimension and must fit in int32")),
     "skip_causal_mask": parse_bool,
     "fp8_dpa": parse_bool,
+    **NUMERICS_CHECKS,
     **DELAYED_CHECKS,
 }
 

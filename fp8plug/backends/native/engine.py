@@ -405,6 +405,17 @@ class NativeEngine(Engine):
     def runs_fp8(self, module: nn.Module, input) -> bool:
         return isinstance(input, torch.Tensor) and module.runs_fp8(input)
 
+    def operand_scales(self, module: nn.Module) -> dict:
+        """The scale each delayed slot casts with now (set at the end of the last step); None for a
+        dynamic slot or one not updated yet, which scale from the current amax."""
+        if not isinstance(module, NativeFP8Linear):
+            return {}
+        module.materialise_fp8_state()
+        names = ("input", "weight", "grad_output")
+        return {name: module.fp8_scale[slot].detach().clone()
+                if module.delayed_slots[slot] and bool(module.fp8_step[slot] > 0) else None
+                for slot, name in enumerate(names)}
+
     def end_step(self, models, group=None) -> None:
         """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated."""
         sync_delayed_scaling(models, group=group)
