@@ -4,9 +4,10 @@ Why: a per-tensor FP8 layer whose forward GEMM keeps a low SQNR, or whose delaye
 clipping its operands, costs the run more than its speed-up; left alone it shows in the loss
 thousands of steps later. So a layer whose SQNR (forward or input-gradient GEMM) stays below
 `min_sqnr_db`, or whose saturated fraction (any operand) stays above `max_saturation`, for
-`patience` checks in a row, is moved: to the next finer scaling where the engine offers
-`rescale_layer` (per tensor -> blockwise -> rowwise -> high precision), else to high precision
-through the engine's own `unconvert` of that one module. One warning names the layer, the numbers
+`patience` checks in a row, is moved (one layer per check, the first in the model's order;
+the other layers then count afresh, as the move changes what reaches them): to the next finer
+scaling where the engine offers `rescale_layer` (per tensor -> blockwise -> rowwise -> high
+precision), else to high precision through the engine's own `unconvert` of that one module. One warning names the layer, the numbers
 and the move. Every rank takes the same decision (the bad flags are reduced with max).
 
 The moves are kept on the model (`moves_of`): fp8plug's checkpoint state saves them and
@@ -61,8 +62,8 @@ class NumericsGuard:
 
     def check(self, model: nn.Module, engine, records: Dict[str, Dict[str, float]], step: int,
               report=None) -> List[str]:
-        """Fold one check into the streaks and move each layer whose streak reached `patience`;
-        returns the layers moved."""
+        """Fold one check into the streaks and move the first layer whose streak reached
+        `patience`; returns the layers moved ([] or one)."""
         names = sorted(records)
         reasons = {fqn: self.why_bad(records[fqn]) for fqn in names}
         bad = _agree(names, reasons)
@@ -73,13 +74,23 @@ class NumericsGuard:
                 continue
             streak = self.streaks.setdefault(fqn, [])
             streak.append(reasons[fqn] or "bad on another rank")
-            if len(streak) >= self.patience:
-                why = f"{streak[-1]} for {len(streak)} checks"
-                self.streaks.pop(fqn)
-                to = move_layer(model, engine, fqn, why, step, report)
-                moved.append(fqn)
-                logger.warning("fp8plug: the numerics guard moved %s to %s (%s, at step %d).", fqn, to, why, step)
+        due = [fqn for fqn in names if len(self.streaks.get(fqn, ())) >= self.patience]
+        if due:
+            # One move per check, the first layer in the model's order: a layer's error reaches the
+            # layers after it (their inputs) and before it (their gradients), so the others start
+            # their count again under the moved layer's new numerics.
+            fqn = min(due, key=order(model).get)
+            why = f"{self.streaks[fqn][-1]} for {len(self.streaks[fqn])} checks"
+            self.streaks.clear()
+            to = move_layer(model, engine, fqn, why, step, report)
+            moved.append(fqn)
+            logger.warning("fp8plug: the numerics guard moved %s to %s (%s, at step %d).", fqn, to, why, step)
         return moved
+
+
+def order(model: nn.Module) -> Dict[str, int]:
+    """Each module's position in the model's order."""
+    return {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
 
 
 def _agree(names: List[str], reasons: Dict[str, Optional[str]]) -> Dict[str, bool]:

@@ -19,8 +19,9 @@ NUMERICS_DEFAULTS = {
     # An FP8 (E4M3 x E4M3) GEMM of well-scaled operands measures about 28 dB against float32 and
     # the worst ordinary layers of a Llama about 24 dB; 20 dB is an error of 10% of the output's size.
     "guard_min_sqnr_db": 20.0,
-    # One value in a thousand clipped to the format's largest, check after check.
-    "guard_max_saturation": 1e-3,
+    # One value in a hundred clipped to the format's largest, check after check: delayed scaling clips a
+    # little (weights an optimizer step moved past the last amax: up to a percent early in a run).
+    "guard_max_saturation": 1e-2,
     "guard_patience": 3,
 }
 NUMERICS_FIELDS = tuple(NUMERICS_DEFAULTS)
