@@ -8,7 +8,8 @@ thousands of steps later. So a layer whose SQNR (forward or input-gradient GEMM)
 the other layers then count afresh, as the move changes what reaches them): to the next finer
 scaling where the engine offers `rescale_layer` (per tensor -> blockwise -> rowwise -> high
 precision), else to high precision through the engine's own `unconvert` of that one module.
-One warning names the layer, the numbers and the move. Every rank takes the same decision (the bad flags are reduced with max).
+One warning names the layer, the numbers and the move. Every rank takes the same decision
+(the bad flags are reduced with max).
 
 The moves are kept on the model (`moves_of`): fp8plug's checkpoint state saves them and
 `apply_moves` makes them again on resume before the FP8 state is loaded; `fp8_coverage` and the
