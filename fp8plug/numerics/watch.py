@@ -2,9 +2,9 @@
 
 Why: a layer whose activations grow outliers, or whose delayed scale lags its tensors, loses
 precision silently; the loss shows it thousands of steps later. So, on a watch step only, every
-converted Linear gets a forward hook (its input and weight) and, on its output, a tensor hook (the
-gradient arriving at it); at the end of that optimizer step the hooks are removed, so the other
-steps cost nothing. Each operand is re-quantized as the layer's scaling implies
+converted Linear's forward hook reads its input and weight and puts a tensor hook on its output
+(the gradient arriving at it); on other steps the hook returns at once (compiled: it is not in
+the graph at all, see `arm`). Each operand is re-quantized as the layer's scaling implies
 (fp8plug.numerics.emulate: the engine's own scale where it offers `operand_scales`, else the
 current amax's) to measure its amax, the fraction flushed to zero and the fraction saturated, and
 a sample of rows (`SAMPLE_ROWS`) is multiplied both ways, in FP8 emulation and in float32, for the
@@ -16,9 +16,8 @@ guard's decision (fp8plug.numerics.guard). Nothing here asks which engine runs: 
 are found with `Engine.is_converted`, FP8 calls with the optional `runs_fp8`.
 
 Values are this process's own (its batch); they are not reduced across ranks, except the guard's
-decision, which every rank takes alike. A model compiled with torch.compile runs the hooks only
-where its compiled graph was built with them; where a watch step saw no layer run, one warning
-says so.
+decision, which every rank takes alike. A model compiled before conversion has no hooks in its
+graph; where a watch step saw no layer run, one warning says so.
 """
 
 from __future__ import annotations
@@ -49,6 +48,17 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return (full() if callable(full) else t).detach()
 
 
+class _GatedHook:
+    """A converted Linear's forward hook: nothing unless its watch is armed."""
+
+    def __init__(self, watch: "NumericsWatch", fqn: str):
+        self.watch, self.fqn = watch, fqn
+
+    def __call__(self, module, args, output):
+        if self.watch.armed:
+            self.watch._observe(self.fqn, module, args, output)
+
+
 class NumericsWatch:
     """The watch of one converted model: `interval` (>= 1) steps apart, on steps interval, 2 *
     interval, ... (counting the optimizer steps since it was attached). `grad_dtype` is the FP8
@@ -69,13 +79,15 @@ class NumericsWatch:
         self.report = report  # the conversion's ConversionReport, which the guard's moves update
         self.step = 0
         self.checks = 0
-        self.handles: List = []
+        self.handles: List = []  # (module, hook handle)
+        self.armed = False
         self.records: Dict[str, Dict[str, float]] = {}
         self.latest: Dict[str, float] = {}
         self._unread = False
         self._warned_empty = False
         self._warned_errors: set = set()
         steps.after_step(model, self.end_step)
+        self.hook_layers()
         if self._due(1):
             self.arm()
 
@@ -94,35 +106,50 @@ class NumericsWatch:
         return [(fqn, m) for fqn, m in model.named_modules()
                 if self.engine.is_converted(m) and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2]
 
-    # hooks, on watch steps only -------------------------------------------------------------------
-    def arm(self) -> None:
-        """Hook every converted Linear for the coming step."""
-        self.disarm()
-        self.records = {}
+    # hooks, acting on watch steps only ------------------------------------------------------------
+    # Each converted Linear carries one forward hook for good, which returns at once unless the
+    # step is a watch step (`armed`). Not hooks put on for a watch step and taken off after it:
+    # torch.compile traces the hooks a module has when it compiles and never sees one added later,
+    # so a model compiled after prepare would never be watched. Compiled, the flag is a guard of
+    # the graph: the steps between checks run a graph without the hook at all, a watch step
+    # another one (compiled once), whose statistics run eagerly (`_observe` is not traced).
+    def hook_layers(self) -> None:
+        """Hook every converted Linear not hooked yet (at conversion, before anyone compiles)."""
+        hooked = {id(module) for module, _ in self.handles}
         for fqn, module in self.layers():
-            self.handles.append(module.register_forward_hook(self._forward_hook(fqn)))
+            if id(module) not in hooked:
+                self.handles.append((module, module.register_forward_hook(_GatedHook(self, fqn))))
+
+    def arm(self) -> None:
+        """Watch the coming step."""
+        self.records = {}
+        self.hook_layers()  # a layer the guard moved to another FP8 scaling is a new module
+        self.armed = True
 
     def disarm(self) -> None:
-        for handle in self.handles:
+        self.armed = False
+
+    def remove_hooks(self) -> None:
+        self.armed = False
+        for _, handle in self.handles:
             handle.remove()
         self.handles = []
 
-    def _forward_hook(self, fqn: str):
-        def hook(module, args, output):
-            if fqn in self.records or not module.training or not args or not isinstance(args[0], torch.Tensor):
-                return
-            x = args[0]
-            if offers(self.engine, "runs_fp8") and not self.engine.runs_fp8(module, x):
-                return
-            try:
-                scales = self.engine.operand_scales(module) if offers(self.engine, "operand_scales") else {}
-                with torch.no_grad():
-                    self.records[fqn] = self._forward_stats(module, x, scales)
-                if isinstance(output, torch.Tensor) and output.requires_grad:
-                    output.register_hook(self._grad_hook(fqn, module, scales))
-            except Exception as exc:  # noqa: BLE001 - the watch must never stop a training run
-                self._skip(fqn, exc)
-        return hook
+    @torch.compiler.disable
+    def _observe(self, fqn: str, module: nn.Module, args, output) -> None:
+        if fqn in self.records or not module.training or not args or not isinstance(args[0], torch.Tensor):
+            return
+        x = args[0]
+        if offers(self.engine, "runs_fp8") and not self.engine.runs_fp8(module, x):
+            return
+        try:
+            scales = self.engine.operand_scales(module) if offers(self.engine, "operand_scales") else {}
+            with torch.no_grad():
+                self.records[fqn] = self._forward_stats(module, x, scales)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._grad_hook(fqn, module, scales))
+        except Exception as exc:  # noqa: BLE001 - the watch must never stop a training run
+            self._skip(fqn, exc)
 
     def _grad_hook(self, fqn: str, module: nn.Module, scales: dict):
         def hook(grad):
@@ -174,7 +201,7 @@ class NumericsWatch:
         """After each optimizer step that trains the model (fp8plug.backends.steps.after_step): on
         a watch step, finish the check; before one, arm the hooks."""
         self.step += 1
-        if self.handles:
+        if self.armed:
             self.disarm()
             self._finish()
         if self._due(self.step + 1):
@@ -186,9 +213,8 @@ class NumericsWatch:
             if not self._warned_empty:
                 self._warned_empty = True
                 logger.warning(
-                    "fp8plug: the numerics watch saw no FP8 layer run at step %d (a model compiled before its "
-                    "hooks were put on runs without them: run it uncompiled, or compile after the first check)",
-                    self.step)
+                    "fp8plug: the numerics watch saw no FP8 layer run at step %d (a model compiled before "
+                    "fp8plug converted it runs without the watch's hooks: compile after prepare)", self.step)
             return
         self.checks += 1
         self.latest = flat_stats(records)
@@ -209,7 +235,7 @@ class NumericsWatch:
 
     def close(self) -> None:
         """Stop watching: hooks removed, no more checks."""
-        self.disarm()
+        self.remove_hooks()
         model = self.model
         if model is not None:
             steps.remove_after_step(model, self.end_step)

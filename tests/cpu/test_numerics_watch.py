@@ -125,22 +125,26 @@ def watched(interval=1, guard=False, **kwargs):
     return FP8RecipeKwargs(backend="native", numerics_watch_interval=interval, numerics_guard=guard, **kwargs)
 
 
-def test_hooks_only_on_watch_steps_and_flat_dict():
+def test_watch_acts_only_on_watch_steps_and_gives_a_flat_dict():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     convert_model(model, recipe=watched(interval=3))
     watch = watch_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    hooked, checked = [], []
+    armed, checked = [], []
+    calls = []
+    original = watch._observe
+    watch._observe = lambda *args: (calls.append(args[0]), original(*args))
     for step in range(1, 8):
-        hooked.append(sum(len(m._forward_hooks) for m in model.modules()))
+        armed.append(watch.armed)
         model(torch.randn(16, 32)).square().mean().backward()
         optimizer.step()
         stats = numerics_stats(model)
         checked.append(bool(stats))
         if stats:
             last = stats
-    # steps 3 and 6 are watched: hooks during those steps only, a dict after them only
-    assert [h > 0 for h in hooked] == [False, False, True, False, False, True, False]
+    # steps 3 and 6 are watched: the hooks act during those steps only, a dict after them only
+    assert armed == [False, False, True, False, False, True, False]
+    assert calls == ["0", "2", "0", "2"]
     assert checked == [False, False, True, False, False, True, False]
     assert numerics_stats(model) == {}  # once per check
     keys = {f"fp8/{layer}/{op}/{stat}" for layer in ("0", "2") for op in ("input", "weight", "grad_output")
@@ -150,6 +154,21 @@ def test_hooks_only_on_watch_steps_and_flat_dict():
     assert last["fp8/0/weight/amax"] == pytest.approx(float(model[0].weight.detach().abs().max()), rel=1e-2)
     assert 20.0 < last["fp8/0/sqnr_db"] < 35.0 and 15.0 < last["fp8/2/dgrad_sqnr_db"] < 35.0
     assert watch.checks == 2
+
+
+def test_watch_sees_a_model_compiled_after_conversion():
+    # torch.compile traces only the hooks a module has when it compiles: the watch's are put on at
+    # conversion and act on watch steps only (a guard of the graph)
+    model = nn.Sequential(nn.Linear(32, 32))
+    convert_model(model, recipe=watched(interval=2))
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    found = []
+    for _ in range(3):
+        compiled(torch.randn(16, 32)).square().mean().backward()
+        optimizer.step()
+        found.append(len(numerics_stats(model)))
+    assert found == [0, 11, 0]
 
 
 def test_watch_off_by_default_and_recipe_checks():
