@@ -83,7 +83,11 @@ class NumericsGuard:
             fqn = min(due, key=order(model).get)
             why = f"{self.streaks[fqn][-1]} for {len(self.streaks[fqn])} checks"
             self.streaks.clear()
-            to = move_layer(model, engine, fqn, why, step, report)
+            try:
+                to = move_layer(model, engine, fqn, why, step, report)
+            except CannotMove as exc:
+                logger.warning("fp8plug: the numerics guard cannot move %s (%s, at step %d): %s", fqn, why, step, exc)
+                return moved
             moved.append(fqn)
             logger.warning("fp8plug: the numerics guard moved %s to %s (%s, at step %d).", fqn, to, why, step)
         return moved
@@ -132,11 +136,19 @@ def move_layer(model: nn.Module, engine, fqn: str, why: str, step: int = 0, repo
     return done
 
 
+class CannotMove(RuntimeError):
+    """A layer the guard would move but cannot (sharded by FSDP2, whose hooks live on the module)."""
+
+
 def to_high_precision(model: nn.Module, engine, fqn: str) -> None:
     """Put back the plain module for converted layer `fqn` alone, by the engine's own `unconvert`
     run on a holder of just that module (its Parameters kept, so optimizers stay valid)."""
+    module = model.get_submodule(fqn)
+    if type(module).__name__.startswith("FSDP"):  # fully_shard gave the module a class of its own
+        raise CannotMove("it is sharded by FSDP2 (fully_shard), whose hooks a new module would not have; "
+                         "leave it in high precision from the start with FP8RecipeKwargs.modules_to_ignore")
     holder = nn.Module()
-    holder.add_module("layer", model.get_submodule(fqn))
+    holder.add_module("layer", module)
     engine.unconvert(holder)
     replace_module(model, fqn, holder.layer)
 
