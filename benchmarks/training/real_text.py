@@ -57,8 +57,8 @@ if str(ROOT) not in sys.path:
 
 ROWS = ("bf16", "fp8plug-default", "fp8plug-rowwise", "fp8plug-blockwise", "te-delayed", "accelerate-ao")
 SUFFIXES = (".py", ".md", ".rst", ".txt")
-FULL = dict(hidden=1024, layers=16, heads=16, ffn=2816, seq=1024, batch=16, vocab=32000, budget_mb=300,
-            tokenizer_mb=40, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
+FULL = dict(hidden=1024, layers=16, heads=16, ffn=2816, seq=1024, batch=16, vocab=32000, budget_mb=200,
+            tokenizer_mb=20, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
 TINY = dict(hidden=64, layers=2, heads=4, ffn=128, seq=64, batch=4, vocab=512, budget_mb=2, tokenizer_mb=1,
             steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3)
 SPIKE_WINDOW, SPIKE_RATIO = 50, 1.10
@@ -295,8 +295,11 @@ def spawn(row: str, args, spec: dict, deadline: float, gpu=None) -> subprocess.P
 
 def run_rows(args, spec: dict) -> None:
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    began = time.time()
     meta = prepare_data(Path(args.cache_dir), spec)
-    print(f"corpus: {meta}", flush=True)
+    print(f"corpus ({time.time() - began:.0f} s): {meta}", flush=True)
+    if args.prepare_only:
+        return
     end = time.time() + args.timeout
     deadline = end - 30  # rows stop stepping here and still write their JSON
     rows = args.rows.split(",")
@@ -398,6 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--parallel", action="store_true", help="rows at once, one GPU each")
     p.add_argument("--watch-interval", type=int, default=0, help="fp8plug rows: numerics_watch_interval")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--prepare-only", action="store_true", help="make the tokenizer and token files, then stop")
     p.add_argument("--plot", action="store_true", help="read --out-dir's JSONs, write --png and the table")
     p.add_argument("--png", default="docs/real_text.png")
     p.add_argument("--row")
