@@ -256,6 +256,7 @@ def run_row(row: str, args, spec: dict, deadline: float) -> dict:
                   watch_step_ms=1e3 * sum(watch_times) / len(watch_times) if watch_times else None,
                   spikes=spikes(losses), steps_done=len(losses))
     if hasattr(accelerator, "fp8_coverage"):
+        result["engine"] = accelerator.fp8_engine.name if accelerator.fp8_engine is not None else None
         coverage = accelerator.fp8_coverage()
         result.update(fp8_gemms=coverage["fp8_gemms"], high_precision_gemms=coverage["high_precision_gemms"],
                       moved=coverage.get("moved", {}))
