@@ -16,6 +16,7 @@ from fp8plug.hf.attention import restore_sdpa, skip_causal_mask
 from fp8plug.hf.experts import convert_experts, restore_experts
 from fp8plug.hf.fp8_attention import use_fp8_attention
 from fp8plug.layers.rules import ConversionError, ConversionReport
+from fp8plug.numerics.watch import watch_model, watch_of
 from fp8plug.recipe import BACKENDS, FP8RecipeKwargs
 from fp8plug.recipe.plans import Plan, make_plan
 from fp8plug.tuning.hardware import DeviceInfo, device_info
@@ -121,6 +122,8 @@ def convert_with_plan(model: nn.Module, engine: Engine, plan: Plan, *, linear: b
         skip_causal_mask(model)
     if plan.fp8_dpa:
         use_fp8_attention(model, plan)
+    if plan.numerics_watch_interval:
+        watch_model(model, engine, plan, report)
     return report
 
 
@@ -167,6 +170,9 @@ def unconvert_model(model: nn.Module) -> nn.Module:
     """Swap every engine's FP8 modules back for torch modules with the same weights, in place
     (and a transformers model's attention back to "sdpa" where conversion changed it: the causal
     mask change and FP8 attention alike)."""
+    watch = watch_of(model)
+    if watch is not None:  # no FP8 layer left to watch
+        watch.close()
     for engine in loaded_engines():
         engine.unconvert(model)
     model.__dict__.pop(_CONVERTED_WITH, None)

@@ -124,9 +124,15 @@ OPTIONAL = {
                     "[S, N], or why it has none here; a model's experts run in FP8 through it (fp8plug.hf.experts)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
-    "rescale_layer": "rescale_layer(model, fqn, scaling) -> module: move one converted Linear to another of the "
-                     "engine's scalings (a finer one) or to high precision ('bf16') between steps, keeping its "
-                     "parameters (a numerics guard's remedy)",
+    "operand_scales": "operand_scales(module) -> {'input'|'weight'|'grad_output': scale}: how a converted Linear "
+                      "scales each operand now: a float32 tensor (the scale it casts with, e.g. delayed scaling's), "
+                      "a granularity word ('rowwise', 'blockwise': from the current amax at that granularity) or "
+                      "None (the current amax, per tensor); the numerics watch emulates the cast with it "
+                      "(fp8plug.numerics.watch). Without it, every operand counts as None",
+    "rescale_layer": "rescale_layer(model, fqn, scaling): move the one converted Linear `fqn` to the finer "
+                     "`scaling` ('rowwise', 'blockwise') or to high precision ('bf16'), keeping its Parameters; "
+                     "ValueError for a scaling it lacks (the numerics guard then tries the next, "
+                     "fp8plug.numerics.guard)",
 }
 
 

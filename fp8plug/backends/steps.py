@@ -91,6 +91,29 @@ def _after_optimizer_step(optimizer, *_args, **_kwargs) -> None:
             trained.setdefault(engine.name, (engine, []))[1].append(model)
     for engine, models in trained.values():
         end_step(models, [engine])
+    for model, callbacks in list(_AFTER.items()):
+        if callbacks and any(id(p) in stepped for p in model.parameters()):
+            for callback in list(callbacks):
+                callback()
+
+
+# Work that is not an engine's but is due after each optimizer step that trains a model, once
+# its engine's end of step ran (the numerics watch, fp8plug.numerics.watch): model -> callbacks.
+_AFTER: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def after_step(model: nn.Module, callback) -> None:
+    """Call `callback()` after every optimizer step that trains `model` (a torch optimizer's step:
+    a hand-written loop, fp8plug.Accelerator, a Trainer), after the engines' end of step."""
+    _AFTER.setdefault(model, []).append(callback)
+    _install_hook()
+
+
+def remove_after_step(model: nn.Module, callback) -> None:
+    """Stop calling `callback` after `model`'s steps."""
+    callbacks = _AFTER.get(model, [])
+    if callback in callbacks:
+        callbacks.remove(callback)
 
 
 def tracked(engine_name: str) -> List[nn.Module]:

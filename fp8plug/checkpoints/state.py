@@ -8,7 +8,8 @@ round. `install_plain_state_dict` puts two hooks on the model's root to make `st
 
 The FP8 scaling state (amax histories, scales) is not weights; `FP8CheckpointState` carries it
 through `Accelerator.save_state` / `load_state` and Trainer checkpoints, so a resumed run
-continues exactly where it stopped. The state is saved with the recipe fields it depends on
+continues exactly where it stopped; the numerics guard's moves of layers come along and are made
+again before the layers' state is loaded. The state is saved with the recipe fields it depends on
 (`RECIPE_FIELDS`), and a run whose recipe differs in one of them is refused: scales worked out
 for one format or margin are wrong under another (E5M2 gradient scales saturate E4M3 gradients),
 and with a long interval they would stay wrong for that many steps.
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from fp8plug.backends.base import Engine, offers
+from fp8plug.numerics.guard import apply_moves, moves_of
 from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
 
 _HOOKED = "_fp8plug_plain_state_dict"
@@ -104,6 +106,9 @@ class FP8CheckpointState:
             "backend": self.engine.name,
             "models": [self.engine.fp8_state(model) for model in self.models],
         }
+        moves = [dict(moves_of(model)) for model in self.models]
+        if any(moves):  # the numerics guard's moves, made again on resume before the state is loaded
+            state["guard"] = moves
         if self.recipe is not None:
             state["recipe"] = recipe_record(self.engine, self.recipe)
         return state
@@ -150,6 +155,8 @@ class FP8CheckpointState:
         set of converted layers, another history length), the models already loaded get their
         state back, so a refused load leaves every model as it was."""
         self.check(state)
+        for model, moves in zip(self.models, state.get("guard", [])):
+            apply_moves(model, self.engine, moves)
         before = self.snapshot()
         try:
             self._load(state["models"])

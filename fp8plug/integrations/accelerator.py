@@ -52,6 +52,7 @@ from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
 from fp8plug.integrations.tensor_parallel import check_no_tensor_parallel
 from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
+from fp8plug.numerics.watch import numerics_stats, watch_of
 from fp8plug.recipe.engines import BACKENDS, listed
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 from fp8plug.recipe.plans import Plan, make_plan
@@ -257,6 +258,9 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         apply_fp8_autowrap(model, self.fp8_plan, backend=self.fp8_engine)
         self.fp8_reports.append(report)
         self._fp8_models.append(model)
+        watch = watch_of(model)
+        if watch is not None:  # each check goes to the trackers the user configured, if any
+            watch.on_check = self._log_numerics
         return model
 
     def _should_place(self, placement) -> bool:
@@ -328,6 +332,22 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             "high_precision_gemms": sum(r["high_precision_gemms"] for r in results),
             "layers": layers,
         }
+
+    def fp8_numerics(self) -> dict:
+        """The numerics watch's latest check of the prepared models as one flat dict
+        {"fp8/<layer>/<operand>/<stat>": value, "fp8/<layer>/sqnr_db": value, ...}, once per check
+        ({} on other steps, or without FP8RecipeKwargs.numerics_watch_interval): ready for
+        `accelerator.log`. With trackers configured (init_trackers) each check is logged to them
+        already. With several models, layer names start "model<i>."."""
+        taken = [numerics_stats(model) for model in self._fp8_models]
+        if len(taken) == 1:
+            return taken[0]
+        return {key.replace("fp8/", f"fp8/model{i}.", 1): value
+                for i, stats in enumerate(taken) for key, value in stats.items()}
+
+    def _log_numerics(self, stats: dict, step: int) -> None:
+        if self.trackers:
+            self.log(stats, step=step)
 
     @contextlib.contextmanager
     def accumulate(self, *models):

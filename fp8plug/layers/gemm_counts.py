@@ -128,14 +128,19 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+# The model's attribute holding the numerics guard's moves (fp8plug.numerics.guard.moves_of):
+# {layer fqn: {"scaling": where it went, "why": ..., "step": ...}}, which fp8_coverage shows.
+GUARD_MOVES = "_fp8plug_guard_moves"
+
+
 def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
     """The running GEMM counts of `model`'s converted Linear layers:
 
         {"fp8_gemms": int, "high_precision_gemms": int, "layers": {fqn: (fp8, high_precision)}}
 
-with "scalings": {fqn: scaling word} too where the layers name their scaling by one word (the
-native engine's: per-layer scaling, or a guard's change, shows there).
-
+    with "scalings": {fqn: scaling word} too where the layers name their scaling by one word (the
+    native engine's: per-layer scaling, or a guard's change, shows there), and "moved": {fqn: what
+    the numerics guard did and why} where it moved a layer (fp8plug.numerics.guard).
 
     counted per forward call since conversion or the last reset (what counts as a call:
     docs/troubleshooting.md). `reset=True` zeroes the counts after reading them, e.g. once per
@@ -168,6 +173,10 @@ native engine's: per-layer scaling, or a guard's change, shows there).
     }
     if scalings:
         coverage["scalings"] = scalings
+    moves = model.__dict__.get(GUARD_MOVES)
+    if moves:  # {fqn: "moved to bf16 by the numerics guard (SQNR 12.3 dB < 20 dB for 3 checks)"}
+        coverage["moved"] = {fqn: f"moved to {m['scaling']} by the numerics guard ({m['why']})"
+                             for fqn, m in moves.items()}
     return coverage
 
 

@@ -25,6 +25,7 @@ from fp8plug.recipe.checks import Integer, OneOf, parse_bool  # noqa: E402
 from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
 from fp8plug.recipe.environment import from_environment  # noqa: E402
 from fp8plug.recipe.layer_scaling import check_layer_scaling  # noqa: E402
+from fp8plug.recipe.numerics import NUMERICS_CHECKS, NUMERICS_DEFAULTS  # noqa: E402
 from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: for importers of this module)
     AMAX_COMPUTE_ALGOS,
     DELAYED_CHECKS,
@@ -52,6 +53,7 @@ DEFAULTS = {
     "skip_causal_mask": True,
     "fp8_dpa": False,
     "layer_scaling": None,
+    **NUMERICS_DEFAULTS,
     **DELAYED_DEFAULTS,
 }
 # What each field that only some engines read applies to: the reason in the warning an engine
@@ -116,6 +118,11 @@ class FP8RecipeKwargs(KwargsHandler):
         fp8_dpa: FP8 attention through TransformerEngine (default False).
         layer_scaling: per-layer scaling (native): {module-name fnmatch pattern: scaling word or
             "bf16"}, the first matching pattern deciding (fp8plug.recipe.layer_scaling).
+        numerics_watch_interval: every how many optimizer steps the numerics watch checks every
+            FP8 layer (fp8plug.numerics.watch); 0, the default, never.
+        numerics_guard: move a layer whose checks stay bad to a finer scaling or high precision
+            (fp8plug.numerics.guard; default False); guard_min_sqnr_db, guard_max_saturation and
+            guard_patience say when (fp8plug.recipe.numerics: each, its default and bounds).
 
     Accelerate's own names are accepted too (ACCELERATE_NAMES): module_filter_func, config,
     amax_history_length, amax_compute_algorithm, optimization_level, use_mxfp8_block_scaling.
@@ -143,6 +150,11 @@ class FP8RecipeKwargs(KwargsHandler):
     skip_causal_mask: Optional[bool] = None
     fp8_dpa: Optional[bool] = None
     layer_scaling: Optional[Any] = None
+    numerics_watch_interval: Optional[int] = None
+    numerics_guard: Optional[bool] = None
+    guard_min_sqnr_db: Optional[float] = None
+    guard_max_saturation: Optional[float] = None
+    guard_patience: Optional[int] = None
     # Accelerate's names for fields above, in ACCELERATE_NAMES's order; taken in __post_init__.
     module_filter_func: InitVar[Optional[Callable]] = None
     config: InitVar[Optional[object]] = None
@@ -354,6 +366,7 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "skip_causal_mask": parse_bool,
     "fp8_dpa": parse_bool,
     "layer_scaling": check_layer_scaling,
+    **NUMERICS_CHECKS,
     **DELAYED_CHECKS,
 }
 

@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any, Callable, FrozenSet, Iterator, Mapping, Optional, Tuple
 
 from fp8plug.recipe.kwargs import APPLIES_TO, DEFAULTS, FP8RecipeKwargs, field_names
+from fp8plug.recipe.numerics import NUMERICS_DEFAULTS, NUMERICS_FIELDS
 from fp8plug.recipe.scalings import DelayedScaling
 from fp8plug.tuning.hardware import DeviceInfo, device_info
 from fp8plug.tuning.roofline import auto_filter as speed_filter
@@ -43,7 +44,7 @@ Engine = Any
 # optimizer states) rather than by an engine: never "ignored", always in an engine's Settings.
 SHARED: FrozenSet[str] = frozenset({
     "backend", "scaling", "modules_to_ignore", "module_filter_fn", "auto_filter", "auto_filter_tokens",
-    "optimizer_states", "skip_causal_mask", "fp8_dpa",
+    "optimizer_states", "skip_causal_mask", "fp8_dpa", *NUMERICS_FIELDS,
 })
 
 
@@ -64,6 +65,9 @@ class Plan:
     fp8_dpa: a transformers model's causal attention in FP8 through TransformerEngine
         (fp8plug.hf.fp8_attention); its delayed scaling takes the engine's settings where the plan
         is a DelayedScalingPlan, else the recipe's defaults.
+    numerics_watch_interval, numerics_guard, guard_min_sqnr_db, guard_max_saturation,
+        guard_patience: the numerics watch and its guard (fp8plug.numerics); not compared, so a
+        model converted with another watch is still the same conversion.
     """
 
     scaling: str = ""
@@ -73,6 +77,11 @@ class Plan:
     optimizer_states: Optional[str] = None
     skip_causal_mask: bool = True
     fp8_dpa: bool = False
+    numerics_watch_interval: int = field(default=NUMERICS_DEFAULTS["numerics_watch_interval"], compare=False)
+    numerics_guard: bool = field(default=NUMERICS_DEFAULTS["numerics_guard"], compare=False)
+    guard_min_sqnr_db: float = field(default=NUMERICS_DEFAULTS["guard_min_sqnr_db"], compare=False)
+    guard_max_saturation: float = field(default=NUMERICS_DEFAULTS["guard_max_saturation"], compare=False)
+    guard_patience: int = field(default=NUMERICS_DEFAULTS["guard_patience"], compare=False)
 
     def describe_scaling(self) -> str:
         """The scaling as the conversion's log line names it (an engine's plan may say more)."""
@@ -143,6 +152,9 @@ def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=N
     plan = engine.make_plan(settings)
     for message in _ignored(engine, scaling, recipe):
         warnings.warn(message, UserWarning, stacklevel=3)
+    if recipe.numerics_guard and not recipe.numerics_watch_interval:
+        raise ValueError("FP8RecipeKwargs.numerics_guard=True acts on the numerics watch's checks, which "
+                         "numerics_watch_interval=0 turns off; set numerics_watch_interval (e.g. 100).")
     module_filter_fn = recipe.module_filter_fn
     if auto_filter:
         module_filter_fn = speed_filter(recipe, engine.name, info) or module_filter_fn
@@ -151,6 +163,7 @@ def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=N
         module_filter_fn=module_filter_fn,
         use_autocast_during_eval=recipe.use_autocast_during_eval, optimizer_states=recipe.optimizer_states,
         skip_causal_mask=recipe.skip_causal_mask, fp8_dpa=recipe.fp8_dpa,
+        **{name: getattr(recipe, name) for name in NUMERICS_FIELDS},
     )
 
 

@@ -509,6 +509,17 @@ class NativeEngine(Engine):
 
         return grouped.grouped_gemm_problem(device) or grouped.grouped_fp8_linear
 
+    def operand_scales(self, module: nn.Module) -> dict:
+        """The scale each delayed slot casts with now (set at the end of the last step); None for a
+        dynamic slot or one not updated yet, which scale from the current amax."""
+        if not isinstance(module, NativeFP8Linear):
+            return {}
+        module.materialise_fp8_state()
+        names = ("input", "weight", "grad_output")
+        return {name: module.fp8_scale[slot].detach().clone()
+                if module.delayed_slots[slot] and bool(module.fp8_step[slot] > 0) else None
+                for slot, name in enumerate(names)}
+
     def end_step(self, models, group=None) -> None:
         """Delayed scaling's update: amaxes reduced across ranks, histories and scales updated; then,
         under FSDP2 with FP8 all-gather, the scales of the next all-gather (one all-reduce)."""
