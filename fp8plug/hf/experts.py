@@ -158,9 +158,11 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     x = hidden_states[order // top_k]
     pair_weights = top_k_weights.reshape(-1)[order]
     experts = self.num_experts if hasattr(self, "num_experts") else self.down_proj.shape[0]
-    # histc rather than bincount: a fixed output size (static under torch.compile, no host sync)
-    ids = expert_sorted.float() if expert_sorted.device.type == "cpu" else expert_sorted.int()
-    offs = torch.cumsum(torch.histc(ids, bins=experts, min=0, max=experts - 1), 0).to(torch.int32)
+    # the end of each expert's rows in the sorted order, exact integer search with a fixed output
+    # size (static under torch.compile, no host sync); a float histogram (histc) is neither exact
+    # at the bins' edges nor computed the same way eagerly and compiled
+    bounds = torch.arange(experts, device=expert_sorted.device, dtype=expert_sorted.dtype)
+    offs = torch.searchsorted(expert_sorted, bounds, right=True).to(torch.int32)
     transposed = is_transposed(self)
 
     def project(inputs, weight, bias):

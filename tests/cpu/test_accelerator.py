@@ -101,7 +101,7 @@ def test_launch_asking_for_an_engine_that_cannot_run_is_an_error(monkeypatch):
 
 def test_bad_scaling_fails_at_construction():
     with pytest.raises(ValueError, match="scaling"):
-        make(FP8RecipeKwargs(backend="native", scaling="rowwise"))
+        make(FP8RecipeKwargs(backend="native", scaling="columnwise"))
 
 
 # --- prepare ---------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_resolve_engines_auto_skips_what_cannot_run():
 
 @pytest.mark.parametrize("text, needle", [
     ("fp4", "unknown engine 'fp4'"),
-    ("native:rowwise", "'rowwise' is not a fp8plug native"),
+    ("native:columnwise", "'columnwise' is not a fp8plug native"),
     (",", "nothing to run"),
 ])
 def test_resolve_engines_errors(text, needle):

@@ -291,8 +291,8 @@ def test_convert_model_filters_on_sm90_only_when_the_recipe_asks(monkeypatch, ca
 
     real = api.select_backend
 
-    def on_h100(requested=None, device=None, compiled=None):
-        selection = real(requested, device, compiled=compiled)
+    def on_h100(requested=None, device=None, compiled=None, **options):
+        selection = real(requested, device, compiled=compiled, **options)
         selection.device = H100
         return selection
 

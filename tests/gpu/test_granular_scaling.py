@@ -35,7 +35,9 @@ def test_the_gpu_gemms_match_the_emulation_and_fp32(word, shape):
     x, w, g = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(m, n)
     results = {}
     for device in ("cuda", "cpu"):
-        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        # copies, also on the CPU (x.to("cpu") would be x itself, and the fp32 reference's
+        # backward below would then add its gradient into the one kept here)
+        xd, wd = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
         out = granular.granular_linear(xd, wd, word, torch.float32)
         out.backward(g.to(device))
         results[device] = [t.detach().cpu() for t in (out, xd.grad, wd.grad)]

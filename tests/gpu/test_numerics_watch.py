@@ -75,5 +75,8 @@ def test_guard_moves_a_planted_layer_on_the_gpu(caplog):
             optimizer.step()
             optimizer.zero_grad()
     warnings = [r.getMessage() for r in caplog.records if "numerics guard" in r.getMessage()]
-    assert len(warnings) == 1 and "moved 0 to bf16 (SQNR" in warnings[0]
+    # per tensor -> a finer scaling (blockwise: the outlier channels share a 1x128 tile with half
+    # the others, which it cannot save once they have grown ~10^5x) -> bf16, one warning per move
+    assert 1 <= len(warnings) <= 2 and all("moved 0 to " in w and "(SQNR" in w for w in warnings), warnings
+    assert "moved 0 to bf16 (SQNR" in warnings[-1]
     assert list(fp8_coverage(model)["moved"]) == ["0"]

@@ -376,7 +376,8 @@ class NativeEngine(Engine):
         """The scaling that decides which recipe fields apply: a mode per tensor (input, weight,
         grad_output; a recipe's `scaling` may be such a tuple, as fp8plug.integrations.float8's torchao-shaped
         configs give it) counts as delayed where any tensor is, else dynamic."""
-        if isinstance(scaling, tuple) and len(scaling) == 3 and all(mode in self.scalings for mode in scaling):
+        per_tensor = ("delayed", "dynamic")  # the finer scalings are one word for the whole layer
+        if isinstance(scaling, tuple) and len(scaling) == 3 and all(mode in per_tensor for mode in scaling):
             return "delayed" if "delayed" in scaling else "dynamic"
         return super().scaling_name(scaling)
 

@@ -172,18 +172,31 @@ def granular_mm(a, a_inv, a_kind: str, b, b_inv, b_kind: str, out_dtype: torch.d
         sb = b_inv.expand(b.shape[0], 1).reshape(1, -1).contiguous()
         out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
         return out.to(out_dtype)
+    return _blockwise_mm(a, a_inv, b, b_inv, b_kind == SQUARE).to(out_dtype)
+
+
+@torch.library.custom_op("fp8plug::blockwise_mm", mutates_args=())
+def _blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                  b_square: bool) -> torch.Tensor:
+    """torch's blockwise-scaled FP8 GEMM (1x128 tiles of A; 128x128 blocks or 1x128 tiles of B),
+    in bf16 as torchao asks of it. One operator torch.compile calls as it is: dynamo in torch
+    2.11 cannot trace `torch._scaled_mm_v2`, which F.scaled_mm calls."""
     kinds = F.ScalingType
     sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major
-    if b_kind == SQUARE:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
+    if b_square:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
         nb, kb = b_inv.shape
         sb = b_inv.new_ones(nb, -(-kb // 4) * 4)
         sb[:, :kb] = b_inv
         sb, recipe_b = sb.t(), kinds.BlockWise128x128
     else:
         sb, recipe_b = b_inv.t().contiguous().t(), kinds.BlockWise1x128
-    out = F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
-                      scale_recipe_b=recipe_b, output_dtype=torch.bfloat16)  # bf16 out, as torchao asks of it
-    return out.to(out_dtype)
+    return F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
+                       scale_recipe_b=recipe_b, output_dtype=torch.bfloat16)
+
+
+@_blockwise_mm.register_fake
+def _(a, a_inv, b, b_inv, b_square):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("fp8plug::emulated_granular_mm", mutates_args=())
