@@ -11,6 +11,7 @@ import torch
 import fp8plug
 from fp8plug.backends import gemm as fp8_gemm
 from fp8plug.backends.native import engine as native
+from fp8plug.backends.native import fp8_matmul  # where the layer's GEMMs run
 
 FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 ENGINE = fp8plug.get_backend("native")
@@ -87,7 +88,7 @@ def test_native_training_is_unchanged_to_the_bit(monkeypatch, scaling):
     state are bit-identical."""
 
     def train(gemm):
-        monkeypatch.setattr(native, "scaled_mm", gemm)
+        monkeypatch.setattr(fp8_matmul, "scaled_mm", gemm)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
         recipe = fp8plug.FP8RecipeKwargs(backend="native", scaling=scaling, auto_filter=False)
@@ -123,7 +124,7 @@ def test_compiled_training_matches_torch_kernel(monkeypatch):
     2.11's inductor turned the bit views of fp8_to_float into zeros when fused after the cast)."""
 
     def grads(gemm):
-        monkeypatch.setattr(native, "scaled_mm", gemm)
+        monkeypatch.setattr(fp8_matmul, "scaled_mm", gemm)
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
