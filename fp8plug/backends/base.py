@@ -103,6 +103,9 @@ def probe_import(module_name: str, version_of: Optional[Callable] = None) -> Pro
 # class defines the method; a caller asks `offers(engine, name)` first and otherwise takes its own
 # plain path. So what an engine can do is said once, by the method, never by a flag beside it.
 OPTIONAL = {
+    "frozen_fp8_layer": "frozen_fp8_layer(fp8, scale, bias, compute_dtype, name) -> nn.Linear: a frozen Linear "
+                        "keeping an FP8 checkpoint's codes and per-tensor scale in FP8, fed to the engine's FP8 GEMMs "
+                        "with no weight gradient (LoRA on an FP8 release: fp8plug.checkpoints.fp8_base)",
     "prepare": "prepare(model, optimizer, plan) -> (model, optimizer): adapt a converted model and its optimizer "
                "together; fp8plug.Accelerator finds the one optimizer holding each model's parameters for it",
     "clip_grad_norm_": "clip_grad_norm_(parameters, max_norm, norm_type): fp8plug.Accelerator clips with it instead "

@@ -24,7 +24,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from fp8plug.backends.native.frozen_base import FrozenFP8Linear
+from fp8plug.backends import get_backend
+from fp8plug.backends.base import offers
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.layers.gemm_counts import count_gemms
 from fp8plug.layers.rules import module_paths, replace_module
@@ -35,7 +36,7 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 
 
 def load_fp8_base(path, *, device=None, dtype: torch.dtype = torch.bfloat16, trainable: bool = False,
-                  fp8_head: bool = False, model_class=None) -> nn.Module:
+                  fp8_head: bool = False, model_class=None, backend: str = "native") -> nn.Module:
     """The transformers model of the FP8 checkpoint in directory `path` (`quant_method: "fp8"`,
     per-tensor `weight_scale` or 128x128 block `weight_scale_inv`, sharded or not), with every
     FP8 Linear kept in FP8 in memory as a frozen `FrozenFP8Linear` and every other tensor in
@@ -47,7 +48,8 @@ def load_fp8_base(path, *, device=None, dtype: torch.dtype = torch.bfloat16, tra
     as usual). fp8_head: store an untied output head that the checkpoint keeps in high precision as
     a frozen FP8 layer too (per-tensor, quantized at load: what the native engine's FP8 head does
     each step anyway under LoRA), saving its high-precision copy. model_class: the transformers
-    class to build (default AutoModelForCausalLM)."""
+    class to build (default AutoModelForCausalLM). backend: the engine whose frozen FP8 layer holds
+    the codes (its optional `frozen_fp8_layer`; native's is the one there is)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,17 +64,19 @@ def load_fp8_base(path, *, device=None, dtype: torch.dtype = torch.bfloat16, tra
     with init_empty_weights():  # parameters on meta, buffers (rotary frequencies) computed on the CPU
         model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
     load_fp8_weights(model, path, device=device, dtype=dtype, trainable=trainable, fp8_head=fp8_head,
-                     quantization=quantization)
+                     quantization=quantization, backend=backend)
     return model.eval()
 
 
 def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype = torch.bfloat16,
-                     trainable: bool = False, fp8_head: bool = False, quantization: Optional[dict] = None) -> nn.Module:
+                     trainable: bool = False, fp8_head: bool = False, quantization: Optional[dict] = None,
+                     backend: str = "native") -> nn.Module:
     """Fill `model` (built on the meta device or not; its Linears plain nn.Linear) from the FP8
     checkpoint in `path`, as `load_fp8_base` describes, in place; returns it."""
     from safetensors import safe_open
 
     path = os.fspath(path)
+    engine = _engine_for(backend)
     quantization = quantization if quantization is not None else _quantization_config(path)
     block = (quantization.get("weight_block_size") or [None])[0]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,8 +105,8 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
             bias_key = f"{stem}.bias"
             bias = read(bias_key) if bias_key in where else None
             done.add(bias_key)
-            new, sqnr = _fp8_linear(modules.get(stem), stem, read(key), read(fp8_weights[key]), bias, block, dtype,
-                                    trainable, type(model).__name__)
+            new, sqnr = _fp8_linear(engine, modules.get(stem), stem, read(key), read(fp8_weights[key]), bias, block,
+                                    dtype, trainable, type(model).__name__)
             replace_module(model, stem, new, paths)
             loaded["fp8"] += 1
             if sqnr < worst[0]:
@@ -111,12 +115,12 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
             _assign(model, key, read(key), dtype)
             loaded["high"] += 1
     _tie_head(model)
-    head = _quantize_head(model, paths, dtype) if fp8_head and not trainable else None
+    head = _quantize_head(engine, model, paths, dtype) if fp8_head and not trainable else None
     _refuse_missing(model, path)
     model.to(device)  # the buffers built on the CPU (FrozenFP8Linear keeps its codes in FP8)
     for fqn, module in model.named_modules():
-        if isinstance(module, FrozenFP8Linear):
-            count_gemms(model, fqn, module, "native")
+        if getattr(module, "frozen_fp8", False):
+            count_gemms(model, fqn, module, engine.name)
     exact = worst[1] is None
     requantized = (f"; {block}x{block} block scales requantized to one per tensor, "
                    + ("exactly" if exact else f"worst SQNR {worst[0]:.1f} dB ({worst[1]})")
@@ -159,7 +163,7 @@ def _tensor_files(path: str) -> Dict[str, str]:
         return {key: formats.WEIGHTS_NAME for key in f.keys()}
 
 
-def _fp8_linear(module, stem, fp8, scale, bias, block, dtype, trainable, model_name):
+def _fp8_linear(engine, module, stem, fp8, scale, bias, block, dtype, trainable, model_name):
     """The layer for one FP8 weight of the checkpoint, and its requantization SQNR (inf if none)."""
     if not isinstance(module, nn.Linear):
         found = "no such module" if module is None else f"a {type(module).__name__}"
@@ -188,7 +192,7 @@ def _fp8_linear(module, stem, fp8, scale, bias, block, dtype, trainable, model_n
         noise = (formats.dequantize(fp8, scale) - real).norm()
         sqnr = float(20 * torch.log10(real.norm() / noise)) if noise > 0 else float("inf")
         del real
-    return FrozenFP8Linear.from_fp8(fp8, scale, bias, dtype, name=stem), sqnr
+    return engine.frozen_fp8_layer(fp8, scale, bias, dtype, name=stem), sqnr
 
 
 def _assign(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -223,7 +227,7 @@ def _tie_head(model: nn.Module) -> None:
         head.weight = embedding.weight
 
 
-def _quantize_head(model: nn.Module, paths, dtype) -> Optional[str]:
+def _quantize_head(engine, model: nn.Module, paths, dtype) -> Optional[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = embedding is not None and head is not None and head.weight is embedding.weight
@@ -231,7 +235,7 @@ def _quantize_head(model: nn.Module, paths, dtype) -> Optional[str]:
         return None  # tied (the embedding needs its high-precision table) or not a plain Linear
     name = next(n for n, m in model.named_modules() if m is head)
     fp8, scale = formats.quantize_per_tensor(head.weight)
-    new = FrozenFP8Linear.from_fp8(fp8, scale, head.bias, dtype, name=name)
+    new = engine.frozen_fp8_layer(fp8, scale, head.bias, dtype, name=name)
     new.quantized_at_load = True  # merge_and_export writes it back in high precision, as the source kept it
     replace_module(model, name, new, paths)
     return name
@@ -244,3 +248,12 @@ def _refuse_missing(model: nn.Module, path: str) -> None:
         raise ValueError(f"load_fp8_base: {path} holds no {', '.join(missing[:4])}{more} "
                          f"({len(missing)} tensors of {type(model).__name__} missing); the checkpoint was written for "
                          "another architecture or config, or a shard is missing.")
+
+
+def _engine_for(backend: str):
+    """The engine that holds the frozen FP8 layers, checked to offer them."""
+    engine = get_backend(backend)
+    if not offers(engine, "frozen_fp8_layer"):
+        raise ValueError(f"load_fp8_base: backend={backend!r} ({engine.title}) cannot keep a checkpoint's weights in "
+                         "FP8 as frozen layers; use backend='native', or trainable=True to dequantize them.")
+    return engine

@@ -298,7 +298,8 @@ def test_guard_move_survives_save_and_load_state(tmp_path):
     watch.guard.check(model, accelerator.fp8_engine, {"2": {"sqnr_db": 3.0}}, 7, accelerator.fp8_reports[0])
     assert model[2].scaling == "rowwise"  # one step finer (blockwise needs 128-multiples)
     # still FP8, so among the converted layers, with the move as its note
-    assert accelerator.fp8_reports[0].notes["2"] == "moved to rowwise by the numerics guard (SQNR 3.0 dB < 20 dB for 3 checks)"
+    note = "moved to rowwise by the numerics guard (SQNR 3.0 dB < 20 dB for 3 checks)"
+    assert accelerator.fp8_reports[0].notes["2"] == note
     accelerator.backward(model(torch.randn(8, 32)).square().mean())
     optimizer.step()
     accelerator.save_state(str(tmp_path / "ckpt"))

@@ -379,6 +379,10 @@ class NativeEngine(Engine):
                 replace_module(model, fqn, plain_linear(module, weight, module.bias))
         return model
 
+    def frozen_fp8_layer(self, fp8, scale, bias=None, compute_dtype=torch.bfloat16, name: str = "FrozenFP8Linear"):
+        """A FrozenFP8Linear holding `fp8` and `scale` as they are (backends.native.frozen_base)."""
+        return FrozenFP8Linear.from_fp8(fp8, scale, bias, compute_dtype, name=name)
+
     def is_converted(self, module: nn.Module) -> bool:
         return isinstance(module, (NativeFP8Linear, fused_norm.FusedRMSNorm, FrozenFP8Linear))
 
