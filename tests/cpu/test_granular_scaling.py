@@ -19,6 +19,7 @@ from fp8plug.checkpoints.state import FP8CheckpointState, recipe_record
 from fp8plug.recipe.layer_scaling import first_last_bf16
 from fp8plug.recipe.plans import make_plan
 from tests.support.numerics import sqnr_db
+from tests.support.training import hf_loss, train
 
 E4M3 = torch.float8_e4m3fn
 WORDS = granular.GRANULAR
@@ -156,16 +157,8 @@ def tiny_llama(seed=0):
 
 
 def _losses(model, steps=6):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, torch.optim.AdamW(model.parameters(), lr=3e-3), [ids], steps, loss=hf_loss)
 
 
 @pytest.mark.parametrize("word", WORDS)

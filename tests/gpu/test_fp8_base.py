@@ -19,6 +19,7 @@ from fp8plug.checkpoints.export import save_fp8_checkpoint  # noqa: E402
 from tests.cpu.test_export_formats import llama  # noqa: E402
 from tests.cpu.test_fp8_base import BASE_LINEARS, lora, merged_reference, reference, tokens  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402
+from tests.support.training import hf_loss, train  # noqa: E402
 
 CUDA = "cuda"
 
@@ -89,14 +90,7 @@ def test_lora_training_on_the_fp8_base_lowers_the_loss(checkpoints, compiled):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     step = torch.compile(model) if compiled else model
     ids = tokens(100, batch=2).to(CUDA)
-    losses = []
-    for _ in range(20):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(step, opt, [ids], 20, loss=hf_loss, autocast="cuda")
     assert sum(losses[-3:]) / 3 < 0.9 * losses[0], losses
 
 

@@ -9,6 +9,7 @@ from fp8plug import FP8RecipeKwargs, convert_model, fp8_coverage
 from fp8plug.backends.native import granular
 from fp8plug.tuning.hardware import device_info
 from tests.support.numerics import sqnr_db
+from tests.support.training import hf_loss, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="needs an sm_90 (Hopper) GPU")
@@ -73,16 +74,8 @@ def tiny_llama():
 
 
 def train_losses(model, steps=8):
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ids = torch.randint(0, 256, (4, 96), generator=torch.Generator().manual_seed(0)).cuda()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, torch.optim.AdamW(model.parameters(), lr=2e-3), [ids], steps, loss=hf_loss)
 
 
 @pytest.mark.parametrize("engine,word", [("native", "rowwise"), ("native", "rowwise_with_gw_hp"),

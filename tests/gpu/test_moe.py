@@ -14,6 +14,7 @@ from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from tests.support.hf import fresh
 from tests.support.moe_models import builder
 from tests.support.numerics import rel_error, sqnr_db
+from tests.support.training import hf_loss, train
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -63,13 +64,7 @@ def _train(model, steps, compiled=False, ids=None):
     model, optimizer = accelerator.prepare(model, optimizer)
     if compiled:
         model = torch.compile(model)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, optimizer, [ids], steps, loss=hf_loss, accelerator=accelerator)
     return accelerator.unwrap_model(model), losses
 
 
@@ -77,16 +72,7 @@ def _bf16(model, steps, ids):
     """The reference: bf16 autocast, the experts through transformers' per-expert eager loop (with
     fp32 weights, grouped_mm's dtype support differs between torch versions)."""
     model.set_experts_implementation("eager")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, torch.optim.AdamW(model.parameters(), lr=2e-3), [ids], steps, loss=hf_loss, autocast="cuda")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
