@@ -34,7 +34,9 @@ def tensor_parallel_size(accelerator, model: nn.Module) -> Optional[int]:
 
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and isinstance(weight, DTensor):
+        # FSDP2's shards are DTensors too; fully_shard gives a module a class of its own ("FSDP...")
+        sharded_by_fsdp = any(type(m).__name__.startswith("FSDP") for m in (module, model))
+        if isinstance(module, nn.Linear) and isinstance(weight, DTensor) and not sharded_by_fsdp:
             mesh = weight.device_mesh
             return int(mesh.size()) if mesh.size() > 1 else None
     return None
