@@ -37,9 +37,6 @@ PROCESS_START = time.time()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
@@ -51,6 +48,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from fresh_process import run_fresh  # noqa: E402
 from hf_llama_measure import StepClock, gpu_memory, note_early_step, step_numbers  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
 
@@ -211,14 +209,8 @@ def spawn(row: str, args, timeout: float) -> dict:
                "--lr", str(args.lr), "--device", args.device, "--compile-backend", args.compile_backend,
                *(["--backend", args.backend] if args.backend else []),
                "--t0", str(time.time())]
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT), env=env,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
+        code, err = run_fresh(cmd, timeout, caches_in=tmp)
+        if code is None:
             sys.stderr.write(err[-2000:])
             return dict(row=row, error=f"timed out after {timeout:.0f} s")
         if path.exists():
@@ -227,7 +219,7 @@ def spawn(row: str, args, timeout: float) -> dict:
                 sys.stderr.write(err[-3000:])
             return result
         sys.stderr.write(err[-3000:])
-        return dict(row=row, error=f"process exited {proc.returncode}: {err.strip().splitlines()[-1:]}")
+        return dict(row=row, error=f"process exited {code}: {err.strip().splitlines()[-1:]}")
 
 
 def table(meta: dict, rows: list) -> str:

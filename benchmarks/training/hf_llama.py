@@ -65,9 +65,6 @@ PROCESS_START = time.time()  # what --row uses when its parent did not pass --t0
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
@@ -79,6 +76,7 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from fresh_process import run_fresh  # noqa: E402
 from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama_measure import (  # noqa: E402
     StepClock,
@@ -322,16 +320,8 @@ def spawn(row: str, args, timeout: float) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--row", row, "--json", str(path), *sizes,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
                "--device", args.device, "--profile", str(args.profile), "--t0", str(time.time())]
-        env = dict(os.environ)
-        if not args.warm_cache:
-            env.update(TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
-                                env=env, start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
+        code, err = run_fresh(cmd, timeout, caches_in=None if args.warm_cache else tmp)
+        if code is None:
             sys.stderr.write(err[-2000:])
             return dict(row=row, error=f"timed out after {timeout:.0f} s")
         if path.exists():
@@ -341,7 +331,7 @@ def spawn(row: str, args, timeout: float) -> dict:
             return result
         sys.stderr.write(err[-3000:])
         tail = " | ".join(err.strip().splitlines()[-2:])[-300:]
-        return dict(row=row, error=f"process exited {proc.returncode}: {tail}")
+        return dict(row=row, error=f"process exited {code}: {tail}")
 
 
 def summarize(rows: list) -> str:

@@ -33,10 +33,7 @@ PROCESS_START = time.time()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
@@ -48,6 +45,7 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from fresh_process import run_fresh  # noqa: E402
 from hf_llama_task import loss_floor, make_batches  # noqa: E402
 
 ROWS = ("bf16-lora", "bf16-lora-compiled", "fp8base-lora", "fp8base-lora-compiled")
@@ -151,22 +149,14 @@ def run_row(row: str, spec: dict, args) -> dict:
 
 def spawn(argv: list, timeout: float, fresh_caches: bool = True):
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ)
-        if fresh_caches:
-            env.update(TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton")
         out = Path(tmp) / "row.json"
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT), env=env,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
+        code, err = run_fresh([sys.executable, str(Path(__file__).resolve()), *argv, "--out", str(out)], timeout,
+                              caches_in=tmp if fresh_caches else None)
+        if code is None:
             return dict(error=f"timed out after {timeout:.0f} s"), err
         if out.exists():
             return json.loads(out.read_text()), err
-        return dict(error=f"exited {proc.returncode}: {' | '.join(err.strip().splitlines()[-2:])[-400:]}"), err
+        return dict(error=f"exited {code}: {' | '.join(err.strip().splitlines()[-2:])[-400:]}"), err
 
 
 def summarize(rows: list) -> None:
