@@ -10,6 +10,7 @@ import argparse
 import copy
 import json
 import statistics
+import time
 
 import torch
 from torch import nn
@@ -20,8 +21,17 @@ SHAPES = [(16384, 8192, 10240), (16384, 8192, 8192), (16384, 8192, 57344), (1638
 
 
 def time_fwd_bwd(module, x, grad, iters=20, warmup=5):
+    """Median milliseconds of one forward+backward after `warmup` untimed ones: by CUDA events on
+    a GPU, by the wall clock on the CPU (benchmarks/linear/scaling_granularity.py times with it too)."""
     for _ in range(warmup):
         module(x).backward(grad)
+    if x.device.type == "cpu":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            module(x).backward(grad)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,33 +38,10 @@ ROWS = {
 DEFAULT = ["bf16", "native-dynamic", "native-rowwise", "native-rowwise_with_gw_hp", "native-blockwise"]
 
 
-def time_fwd_bwd(module, x, grad, device, iters, warmup):
-    import torch
-
-    for _ in range(warmup):
-        module(x).backward(grad)
-    if device == "cpu":
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            module(x).backward(grad)
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        module(x).backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def run_one(row: str, shape, device: str, compiled: bool, iters: int, warmup: int) -> dict:
     """One row at one shape, in this process: ms per forward+backward, or the error."""
     import torch
+    from native_70b_shapes import time_fwd_bwd  # beside this script
     from torch import nn
 
     import fp8plug
@@ -83,7 +59,7 @@ def run_one(row: str, shape, device: str, compiled: bool, iters: int, warmup: in
         module = torch.compile(module)
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(m, n, device=device, dtype=dtype)
-    ms = time_fwd_bwd(module, x, grad, device, iters, warmup)
+    ms = time_fwd_bwd(module, x, grad, iters, warmup)
     return dict(ms=ms, tflops=6 * m * k * n / ms / 1e9)
 
 
