@@ -43,12 +43,7 @@ def tokens(seed, batch=4, seq=32):
 
 def trained_llama(tied):
     model = llama(tied).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(3):
-        ids = tokens(step)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, torch.optim.AdamW(model.parameters(), lr=3e-3), [tokens(step) for step in range(3)], loss=hf_loss)
     return model.eval()
 
 

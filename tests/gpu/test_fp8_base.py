@@ -16,8 +16,14 @@ peft = pytest.importorskip("peft")
 import fp8plug  # noqa: E402
 from fp8plug.backends.native.frozen_base import FrozenFP8Linear  # noqa: E402
 from fp8plug.checkpoints.export import save_fp8_checkpoint  # noqa: E402
-from tests.cpu.test_export_formats import llama  # noqa: E402
-from tests.cpu.test_fp8_base import BASE_LINEARS, lora, merged_reference, reference, tokens  # noqa: E402
+from tests.cpu.test_fp8_base import (  # noqa: E402
+    BASE_LINEARS,
+    lora,
+    merged_reference,
+    reference,
+    tokens,
+    trained_llama,
+)
 from tests.support.numerics import sqnr_db  # noqa: E402
 from tests.support.training import hf_loss, train  # noqa: E402
 
@@ -26,13 +32,7 @@ CUDA = "cuda"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    model = llama(tied=False).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(3):
-        ids = tokens(step)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model = trained_llama(tied=False)
     out = {}
     for layout in ("block", "per_tensor"):
         out[layout] = tmp_path_factory.mktemp(layout)
