@@ -2,7 +2,7 @@
 rowwise, rowwise_with_gw_hp and blockwise, at LLaMa-2-70B shapes (benchmarks/linear/native_70b_shapes.py),
 each compiled (torch.compile of the converted module) and, with --eager, eagerly; plus torchao's
 rowwise through fp8plug's `ao` engine and TransformerEngine's Float8BlockScaling (`te`, blockwise)
-where installed. Each row runs in its own process (fresh inductor and Triton caches), so one
+where installed. Each row runs in its own process (fresh inductor and Triton caches; every shape in it), so one
 row's compile or failure never touches another; a row past --timeout is reported as such, and
 nothing starts after --deadline seconds. Prints a markdown table, writes JSON.
 
@@ -64,12 +64,14 @@ def run_one(row: str, shape, device: str, compiled: bool, iters: int, warmup: in
 
 
 def child(args) -> None:
-    shape = tuple(int(v) for v in args.one_shape.split("x"))
-    try:
-        out = run_one(args.one_row, shape, args.device, not args.one_eager, args.iters, args.warmup)
-    except Exception as exc:  # noqa: BLE001 - reported as the row's result
-        out = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-    print("RESULT " + json.dumps(out), flush=True)
+    """One row at every shape of --one-shape (comma list), in this process: one start-up per row."""
+    for text in args.one_shape.split(","):
+        shape = tuple(int(v) for v in text.split("x"))
+        try:
+            out = run_one(args.one_row, shape, args.device, not args.one_eager, args.iters, args.warmup)
+        except Exception as exc:  # noqa: BLE001 - reported as the row's result
+            out = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        print("RESULT " + json.dumps(dict(out, shape=text)), flush=True)
 
 
 def main():
@@ -81,7 +83,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None)
-    p.add_argument("--timeout", type=float, default=240, help="seconds one row may take")
+    p.add_argument("--timeout", type=float, default=240, help="seconds one row (every shape) may take")
     p.add_argument("--deadline", type=float, default=540, help="no row starts after this many seconds")
     p.add_argument("--one-row", help=argparse.SUPPRESS)
     p.add_argument("--one-shape", help=argparse.SUPPRESS)
@@ -99,49 +101,58 @@ def main():
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     modes = [True] if args.device == "cpu" else [False, True] if args.eager else [False]  # CPU: eager only
     start, results = time.time(), []
+    names = ["x".join(map(str, shape)) for shape in shapes]
+    by_row = {}
+    for eager in modes:
+        for row in rows:
+            if time.time() - start > args.deadline:
+                by_row[row, eager] = {name: dict(error="skipped: past --deadline") for name in names}
+            else:
+                by_row[row, eager] = _in_child(args, row, names, eager)
     print("| shape | row | mode | ms | TFLOP/s | vs bf16 |\n|---|---|---|---|---|---|", flush=True)
-    for shape in shapes:
+    for name in names:
         for eager in modes:
-            base_ms = None
+            base = by_row.get(("bf16", eager), {}).get(name, {})
             for row in rows:
+                out = by_row[row, eager][name]
+                speedup = base["ms"] / out["ms"] if "ms" in base and "ms" in out else None
                 mode = "eager" if eager else "compiled"
-                if time.time() - start > args.deadline:
-                    out = dict(error="skipped: past --deadline")
-                else:
-                    out = _in_child(args, row, shape, eager)
-                if row == "bf16" and "ms" in out:
-                    base_ms = out["ms"]
-                speedup = base_ms / out["ms"] if base_ms and "ms" in out else None
-                results.append(dict(shape="x".join(map(str, shape)), row=row, mode=mode, speedup=speedup, **out))
+                results.append(dict(out, shape=name, row=row, mode=mode, speedup=speedup))
                 text = (f"{out['ms']:.3f} | {out['tflops']:.0f} | " + (f"{speedup:.2f}x" if speedup else "-")
                         if "ms" in out else f"- | - | {out['error']}")
-                print(f"| {'x'.join(map(str, shape))} | {row} | {mode} | {text} |", flush=True)
+                print(f"| {name} | {row} | {mode} | {text} |", flush=True)
     if args.json:
         meta = dict(device=args.device, results=results)
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
 
 
-def _in_child(args, row, shape, eager) -> dict:
-    """Run one row in a fresh process with its own compile caches."""
+def _in_child(args, row, shapes, eager) -> dict:
+    """Run one row at every shape in a fresh process with its own compile caches: shape -> result."""
     with tempfile.TemporaryDirectory() as cache:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fp8plug from here
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONPATH=path)
-        command = [sys.executable, __file__, "--one-row", row, "--one-shape", "x".join(map(str, shape)),
+        command = [sys.executable, __file__, "--one-row", row, "--one-shape", ",".join(shapes),
                    "--device", args.device, "--iters", str(args.iters), "--warmup", str(args.warmup)]
         if eager:
             command.append("--one-eager")
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return dict(error=f"timed out after {args.timeout:.0f} s")
-    for line in done.stdout.splitlines():
+            stdout, error = done.stdout, None
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            error = f"timed out after {args.timeout:.0f} s"
+    found = {}
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return dict(error=f"exit {done.returncode}: {tail[0][:300]}")
+            out = json.loads(line[len("RESULT "):])
+            found[out.pop("shape")] = out
+    if error is None and len(found) < len(shapes):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        error = f"exit {done.returncode}: {tail[0][:300]}"
+    return {name: found.get(name, dict(error=error)) for name in shapes}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ randomly initialised (seeded, bf16, on the GPU) and written once as an FP8 check
 fp8plug's exporter (`save_fp8_checkpoint`, --layout block by default: the layout most FP8 releases
 use), in --ckpt-dir (reused when its config matches). Every row trains PEFT LoRA r=--rank on
 q, k, v, o, gate, up and down, batch 2 x 2048, gradient checkpointing on (non-reentrant), fused
-AdamW on the adapters, bf16 autocast, on the same synthetic task (hf_llama_task.make_batches):
+AdamW on the adapters, bf16 autocast, on the same batches: text by default (--data text: the installed
+packages' files, tokenised as benchmarks/training/real_text.py does), or hf_llama_task's synthetic task:
 
   bf16-lora               the base in bf16, as users load a bf16 release (`torch_dtype=torch.bfloat16`):
                           here the same checkpoint dequantized tensor by tensor into plain bf16 Linears
@@ -17,9 +18,10 @@ AdamW on the adapters, bf16 autocast, on the same synthetic task (hf_llama_task.
 
 Each row runs in its own process with empty inductor/triton caches. Reported per row: tok/s
 (median step after --warmup, CUDA events), peak memory (torch.cuda.max_memory_allocated over the
-whole process, loading included) and memory after loading, seconds to the first step, the loss
-(mean of the last 10 steps) and the curve; ratios against bf16-lora-compiled (speed) and the bf16
-row of the same compile mode (memory, loss). --deadline stops before the next row would run past it.
+whole process, loading included; and apart, the loading's and the training's peaks) and memory after
+loading, seconds to the first step, the loss (mean of the last 10 steps) and the curve; ratios
+against bf16-lora-compiled (speed) and the bf16 row of the same compile mode (memory, loss).
+--deadline stops before the next row would run past it.
 
     python3 benchmarks/training/lora_fp8_base.py --rows bf16-lora-compiled,fp8base-lora-compiled --json out.json
     python3 benchmarks/training/lora_fp8_base.py --device cpu      # smoke: tiny model, 3 steps, eager rows
@@ -45,12 +47,14 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import memory_at_peak  # noqa: E402
 from fresh_process import run_fresh  # noqa: E402
 from hf_llama_task import loss_floor, make_batches  # noqa: E402
 
 ROWS = ("bf16-lora", "bf16-lora-compiled", "fp8base-lora", "fp8base-lora-compiled")
 LLAMA3_8B = dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256, seq=2048, batch=2)
 TINY = dict(layers=2, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=256, seq=64, batch=2)
+TEXT_CORPUS = dict(vocab=32000, budget_mb=24, tokenizer_mb=6)  # real_text.prepare_data's sizes for --data text
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -109,10 +113,15 @@ def run_row(row: str, spec: dict, args) -> dict:
     cuda = args.device.startswith("cuda")
     model = build(row, spec, args)
     loaded_gb = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    load_peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # from here: the training's own peak (train_peak_gb)
+    if args.memory_snapshot and cuda:
+        memory_at_peak.record()  # the training's allocations only: what the summary lists is what training adds
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
     step_fn = torch.compile(model) if row.endswith("-compiled") else model
-    batches = make_batches(spec, args.steps)
+    batches = training_batches(spec, args)
     times, losses, first = [], [], None
     for i in range(args.steps):
         ids = batches[i].to(args.device)
@@ -135,13 +144,34 @@ def run_row(row: str, spec: dict, args) -> dict:
         if first is None:
             first = time.time() - args.t0
     step_s = statistics.median(times[args.warmup:] or times)
+    if args.memory_snapshot and cuda:
+        folder = Path(args.memory_snapshot)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{row}.txt").write_text(memory_at_peak.summary(memory_at_peak.dump(str(folder / f"{row}.pickle"))))
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.requires_grad)
+    train_peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return dict(row=row, tokens_per_s=round(spec["batch"] * spec["seq"] / step_s, 1), step_s=round(step_s, 4),
-                peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                peak_gb=round(max(load_peak_gb, train_peak_gb), 2) if cuda else None,
+                load_peak_gb=round(load_peak_gb, 2) if cuda else None,
+                train_peak_gb=round(train_peak_gb, 2) if cuda else None,
                 loaded_gb=None if loaded_gb is None else round(loaded_gb, 2),
                 frozen_param_gb=round(base_bytes / 2**30, 3),
                 first_step_s=round(first, 1), loss=round(sum(losses[-10:]) / len(losses[-10:]), 4),
                 losses=[round(x, 4) for x in losses], steps=args.steps)
+
+
+def training_batches(spec: dict, args) -> list:
+    """The rows' batches: text (the installed packages' files, real_text.py's corpus and tokenizer,
+    the default) or the synthetic copy task. Text for the loss comparison: the synthetic task's loss
+    sits on a plateau and then drops within a few steps, so two runs a few steps apart in leaving
+    it differ by far more than 1% at a fixed step; text gives a curve that falls smoothly."""
+    if args.data == "synthetic":
+        return make_batches(spec, args.steps)
+    import real_text
+
+    text = dict(seq=spec["seq"] - 1, batch=spec["batch"], **TEXT_CORPUS)
+    return [b.view(spec["batch"], spec["seq"]) for b in real_text.batches(Path(args.text_cache), "train", args.steps,
+                                                                           text, seed=1)]
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -187,7 +217,13 @@ def main() -> None:
     for key, value in LLAMA3_8B.items():
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None, help=f"default {value}")
     p.add_argument("--ckpt-dir", default=None, help="where the FP8 checkpoint is written (reused if it matches)")
+    p.add_argument("--data", default=None, choices=("text", "synthetic"),
+                   help="default text (synthetic for --device cpu)")
+    p.add_argument("--text-cache", default=str(Path(tempfile.gettempdir()) / "fp8plug_lora_text"),
+                   help="where --data text keeps its tokenizer and token files")
     p.add_argument("--json", default=None)
+    p.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                   help="record the allocator's history; write DIR/<row>.txt (what is alive at the peak)")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds from start; no row starts past it")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--make-checkpoint", action="store_true", help=argparse.SUPPRESS)
@@ -199,6 +235,9 @@ def main() -> None:
             for k in LLAMA3_8B}
     if smoke and args.rows == ",".join(ROWS):
         args.rows, args.steps, args.warmup = "bf16-lora,fp8base-lora", min(args.steps, 3), 1
+    args.data = args.data or ("synthetic" if smoke else "text")
+    if args.data == "text" and spec["vocab"] < TEXT_CORPUS["vocab"]:
+        raise SystemExit(f"--data text needs --vocab >= {TEXT_CORPUS['vocab']} (its tokenizer's), got {spec['vocab']}")
     tag = "_".join(str(spec[k]) for k in LLAMA3_8B)
     args.ckpt_dir = Path(args.ckpt_dir or Path(tempfile.gettempdir()) / f"fp8plug_lora_fp8_base_{tag}_{args.layout}")
     if args.make_checkpoint or args.row:
@@ -224,7 +263,13 @@ def main() -> None:
         if result.get("error"):
             sys.stderr.write(err[-3000:])
             raise SystemExit(f"checkpoint: {result['error']}")
-    meta = dict(spec=spec, layout=args.layout, rank=args.rank, steps=args.steps, warmup=args.warmup, lr=args.lr,
+    corpus = None
+    if args.data == "text":
+        import real_text
+
+        corpus = real_text.prepare_data(Path(args.text_cache), TEXT_CORPUS)
+    meta = dict(spec=spec, data=args.data, corpus=corpus, layout=args.layout, rank=args.rank, steps=args.steps,
+                warmup=args.warmup, lr=args.lr,
                 fp8_head=args.fp8_head, device=args.device, loss_floor=round(loss_floor(spec), 4),
                 checkpoint_s=round(time.time() - PROCESS_START, 1))
     rows = []
@@ -254,7 +299,9 @@ def main() -> None:
 def forwarded(args, spec: dict) -> list:
     out = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--rank", str(args.rank),
            "--layout", args.layout, "--device", args.device, "--ckpt-dir", str(args.ckpt_dir),
-           "--fp8-head" if args.fp8_head else "--no-fp8-head"]
+           "--fp8-head" if args.fp8_head else "--no-fp8-head", "--data", args.data, "--text-cache", args.text_cache]
+    if args.memory_snapshot:
+        out += ["--memory-snapshot", args.memory_snapshot]
     for key, value in spec.items():
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out

@@ -8,11 +8,12 @@ training files; the token streams are cached (--cache-dir), so rows and reruns s
 corpus's fingerprint (files, bytes, a hash of the file list) is recorded: another machine's
 packages give another corpus.
 
-A transformers LlamaForCausalLM (~270M parameters: hidden 1024, 16 layers, 16 heads, FFN 2816,
-sequence 1024, batch 16: 16k tokens a step) is trained from the same initial weights on the same
-batches in every row: AdamW (0.9, 0.95, weight decay 0.1), warm-up then cosine, gradients clipped
-at 1.0, bf16 autocast through the Accelerator, `torch.compile(model)` after prepare (--no-compile:
-eager). Every --eval-every steps the loss on a fixed set of held-out batches.
+A transformers LlamaForCausalLM (~160M parameters: hidden 768, 12 layers, 12 heads, FFN 3072,
+vocab 32000, sequence 1024, batch 8: 8k tokens a step, 25M tokens in 3000 steps) is trained from
+the same initial weights on the same batches in every row: AdamW (0.9, 0.95, weight decay 0.1),
+warm-up then cosine, gradients clipped at 1.0, bf16 autocast through the Accelerator,
+`torch.compile(model)` after prepare (--no-compile: eager). Every --eval-every steps the loss on a
+fixed set of held-out batches.
 
 Rows, each its own process (fresh inductor/triton caches):
   bf16                accelerate.Accelerator(mixed_precision="bf16")
@@ -46,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -57,8 +59,8 @@ if str(ROOT) not in sys.path:
 
 ROWS = ("bf16", "fp8plug-default", "fp8plug-rowwise", "fp8plug-blockwise", "te-delayed", "accelerate-ao")
 SUFFIXES = (".py", ".md", ".rst", ".txt")
-FULL = dict(hidden=1024, layers=16, heads=16, ffn=2816, seq=1024, batch=16, vocab=32000, budget_mb=200,
-            tokenizer_mb=20, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
+FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=8, vocab=32000, budget_mb=100,
+            tokenizer_mb=12, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
 TINY = dict(hidden=64, layers=2, heads=4, ffn=128, seq=64, batch=4, vocab=512, budget_mb=2, tokenizer_mb=1,
             steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3)
 SPIKE_WINDOW, SPIKE_RATIO = 50, 1.10
@@ -304,26 +306,31 @@ def run_rows(args, spec: dict) -> None:
     end = time.time() + args.timeout
     deadline = end - 30  # rows stop stepping here and still write their JSON
     rows = args.rows.split(",")
+    count = 1
     if args.parallel:
         import torch
 
         count = max(1, torch.cuda.device_count())
-        waves = [rows[i:i + count] for i in range(0, len(rows), count)]
-    else:
-        waves = [[row] for row in rows]
-    for wave in waves:
-        procs = {row: spawn(row, args, spec, deadline, gpu=i if args.parallel else None) for i, row in enumerate(wave)}
-        for row, proc in procs.items():
+
+    def run_queue(gpu: int) -> None:
+        """GPU `gpu`'s share of the rows (every count-th), one after another."""
+        for row in rows[gpu::count]:
+            proc = spawn(row, args, spec, deadline, gpu=gpu if args.parallel else None)
             try:
                 proc.wait(timeout=max(1.0, end - time.time()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                path = Path(args.out_dir) / f"{row}.json"
-                if not path.exists():
-                    path.write_text(json.dumps(dict(row=row, error="timed out")))
-        for row in wave:
-            result = json.loads((Path(args.out_dir) / f"{row}.json").read_text())
+            path = Path(args.out_dir) / f"{row}.json"
+            if not path.exists():
+                path.write_text(json.dumps(dict(row=row, error="timed out")))
+            result = json.loads(path.read_text())
             print(f"{row}: {result.get('error') or describe(result)}", flush=True)
+
+    threads = [threading.Thread(target=run_queue, args=(gpu,)) for gpu in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def describe(result: dict) -> str:

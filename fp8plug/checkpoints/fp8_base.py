@@ -186,12 +186,8 @@ def _fp8_linear(engine, module, stem, fp8, scale, bias, block, dtype, trainable,
             linear.bias = nn.Parameter(bias.to(dtype))
         return linear, float("inf")
     sqnr = float("inf")
-    if tiles is not None:  # one scale per tensor, from the block-dequantized weight (this tensor only)
-        real = formats.dequantize(fp8, scale, block)
-        fp8, scale = formats.quantize_per_tensor(real)
-        noise = (formats.dequantize(fp8, scale) - real).norm()
-        sqnr = float(20 * torch.log10(real.norm() / noise)) if noise > 0 else float("inf")
-        del real
+    if tiles is not None:  # one scale per tensor, from the block-dequantized weight
+        fp8, scale, sqnr = formats.requantize_per_tensor(fp8, scale, block)
     return engine.frozen_fp8_layer(fp8, scale, bias, dtype, name=stem), sqnr
 
 

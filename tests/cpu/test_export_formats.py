@@ -52,6 +52,29 @@ def tensors_and_config(directory):
 
 
 # --- block quantization itself -------------------------------------------------------------------------------
+def _whole(weight):
+    """quantize_per_tensor's arithmetic on the whole tensor at once (the reference for the chunked one)."""
+    w = weight.float()
+    scale = w.abs().max() / 448
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 100_000])
+def test_per_tensor_quantization_in_row_chunks_is_the_whole_tensor_s(monkeypatch, chunk):
+    monkeypatch.setattr(formats, "CHUNK_ROWS", chunk)
+    torch.manual_seed(0)
+    weight = torch.randn(300, 200, dtype=torch.bfloat16) * torch.linspace(0.01, 3, 300, dtype=torch.bfloat16)[:, None]
+    fp8, scale = formats.quantize_per_tensor(weight)
+    want_fp8, want_scale = _whole(weight)
+    assert torch.equal(fp8.view(torch.uint8), want_fp8.view(torch.uint8)) and torch.equal(scale, want_scale)
+    blocks = formats.quantize_blocks(weight)
+    real = formats.dequantize(*blocks)
+    again, again_scale, sqnr = formats.requantize_per_tensor(*blocks)  # block -> per tensor, chunk by chunk
+    want_fp8, want_scale = _whole(real)
+    assert torch.equal(again.view(torch.uint8), want_fp8.view(torch.uint8)) and torch.equal(again_scale, want_scale)
+    assert abs(sqnr - sqnr_db(formats.dequantize(again, again_scale), real)) < 0.01
+
+
 def test_block_scales_are_each_tiles_amax_over_448_with_partial_tiles():
     torch.manual_seed(0)
     weight = torch.randn(200, 300) * torch.linspace(0.01, 3, 300)  # tiles of very different ranges
