@@ -166,3 +166,26 @@ def test_trained_model_exported_and_reloaded_gives_its_logits(tmp_path, name, la
     with torch.no_grad():
         assert sqnr_db(served(ids).logits, want) >= 25
     assert torch.equal(served.model.layers[0].mlp.experts.down_proj, plain.model.layers[0].mlp.experts.down_proj)
+
+
+def test_lora_on_an_fp8_moe_base_merges_back_to_fp8_experts(tmp_path):
+    """load_fp8_base (frozen: FP8 Linears, experts dequantized), PEFT LoRA, merge_and_export: the
+    experts are written again one FP8 weight per expert, and the result reloads to the merged model."""
+    peft = pytest.importorskip("peft")
+    model = _trained("mixtral")
+    save_fp8_checkpoint(model, tmp_path / "base")
+    base = load_fp8_base(tmp_path / "base", device="cpu", dtype=torch.float32)
+    tuned = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+        want = tuned.eval()(_ids(5)).logits
+    report = fp8plug.merge_and_export(tuned, tmp_path / "merged")
+    assert report.experts == ["model.layers.0.mlp.experts"]
+    tensors = load_file(tmp_path / "merged" / "model.safetensors")
+    assert tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"].dtype == torch.float8_e4m3fn
+    assert not [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]
+    with torch.no_grad():
+        reloaded = load_fp8_base(tmp_path / "merged", device="cpu", dtype=torch.float32)
+        assert sqnr_db(reloaded(_ids(5)).logits, want) >= 25
