@@ -34,9 +34,9 @@ from fp8plug._upstream import drop_original_forward, keep_in_fp32_patterns, matc
 from fp8plug.api import loaded_engines, unconvert_model
 from fp8plug.autocast import is_autowrapped, remove_fp8_autowrap
 from fp8plug.backends.steps import untrack
+from fp8plug.checkpoints import export_experts
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.checkpoints.export_dir import replacing
-from fp8plug.hf.experts import experts_modules
 from fp8plug.layers.rules import IGNORED, check_module_names, linear_alignment_problem, module_paths
 from fp8plug.recipe import module_name_list
 
@@ -77,13 +77,15 @@ class FP8CheckpointReport:
     directory: str
     layout: str = "block"
     quantized: List[str] = field(default_factory=list)
+    experts: List[str] = field(default_factory=list)  # MoE experts modules stored in FP8, per expert
     kept: Dict[str, str] = field(default_factory=dict)  # name -> why not in FP8
     files: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         kept = ", ".join(f"{n} ({why})" for n, why in self.kept.items()) or "none"
         scales = "128x128 block" if self.layout == "block" else "per-tensor"
-        return (f"FP8 checkpoint in {self.directory}: {len(self.quantized)} Linear weights in float8_e4m3fn "
+        experts = f" and {len(self.experts)} MoE experts modules (per expert)" if self.experts else ""
+        return (f"FP8 checkpoint in {self.directory}: {len(self.quantized)} Linear weights{experts} in float8_e4m3fn "
                 f"with {scales} scales; kept in high precision: {kept}")
 
 
@@ -99,7 +101,17 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     Kept in high precision, and listed in the config: the output head and weights tied to another
     tensor, the Linears `modules_to_ignore` names (fully-qualified, checked as FP8RecipeKwargs
     checks them), those the model class keeps in float32, Linears whose width is not a multiple of
-    16, and the siblings vLLM fuses with any of these (q/k/v, gate/up)."""
+    16, and the siblings vLLM fuses with any of these (q/k/v, gate/up).
+
+    MoE experts (transformers 5's 3-D `gate_up_proj`/`down_proj`) are written in FP8 one weight
+    per expert and projection, under the per-expert names transformers' `save_pretrained` writes
+    (Mixtral `block_sparse_moe.experts.{e}.w1/w2/w3.weight`, Qwen3-MoE `mlp.experts.{e}.gate_proj/
+    up_proj/down_proj.weight`), each with its scale: the layout vLLM's MoE loaders read (they take
+    no fused names) and transformers' FP8 loader merges through the model's conversion mapping;
+    the rest of the checkpoint takes save_pretrained's names too. Experts with biases or no
+    per-expert names (GPT-OSS) stay in high precision and are listed; routers are written in high
+    precision and not listed (neither client quantizes them). fp8plug.checkpoints.export_experts
+    says which client reads which layout."""
     layout = formats.check_layout(layout)
     inner = _unwrapped(model)
     _refuse_unwritable(inner)
@@ -110,20 +122,22 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     linears = _linears(inner)
     report = FP8CheckpointReport(os.fspath(directory), layout)
     report.kept = _kept(inner, linears, state, ignore)
-    # MoE experts (fp8plug.hf.experts) are written in high precision for now, and named so that
-    # transformers' FP8 loader, which has FP8 experts of its own, does not expect them quantized
-    report.kept.update((fqn, "MoE experts: written in high precision (no per-expert FP8 layout yet)")
-                       for fqn, _ in experts_modules(inner))
+    experts = export_experts.plan(inner, ignore)  # MoE experts: FP8 per expert, save_pretrained's names
+    report.kept.update(experts.kept)
+    report.experts = experts.fp8
     report.quantized = [name for name in linears if name not in report.kept]
-    tensors = _tensors(state, report.quantized, layout)
+    tensors = export_experts.checkpoint_tensors(inner, _tensors(state, report.quantized, layout), experts, layout)
     if layout == "block":
         refused = formats.block_warnings({n: linears[n] for n in report.quantized})
+        refused += export_experts.block_warnings(inner, experts)
         if refused:
-            logger.warning("fp8plug: vLLM refuses the block layout for a fused layer whose parts (but the last) have "
-                           "out_features not a multiple of 128, as %d here (%s%s); use layout='per_tensor' for vLLM.",
+            logger.warning("fp8plug: vLLM refuses the block layout for a fused layer (q/k/v, gate/up, MoE experts' "
+                           "gate/up) whose parts (but the last) have out_features not a multiple of 128, as %d here "
+                           "(%s%s); use layout='per_tensor' for vLLM.",
                            len(refused), "; ".join(refused[:2]), ", ..." if len(refused) > 2 else "")
     entry = formats.model_config(inner)
-    entry["quantization_config"] = formats.quantization_config(layout, report.kept)
+    entry["quantization_config"] = formats.quantization_config(
+        layout, export_experts.module_checkpoint_names(inner, report.kept))
     with replacing(directory) as work:
         report.files = formats.write_weights(tensors, work, max_shard_size)
         formats.write_json(os.path.join(work, "config.json"), entry)
@@ -135,10 +149,12 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     return report
 
 
-def load_fp8_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
+def load_fp8_checkpoint(directory: str, model: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
     """The state dict of a `save_fp8_checkpoint` directory (either layout, sharded or not) with
     every FP8 weight dequantized to float32 (fp8 x scale) and the scales dropped: what loads into
-    the plain architecture, to check the checkpoint without an inference client."""
+    the plain architecture, to check the checkpoint without an inference client. Keys are the
+    checkpoint's (save_pretrained's names); given the `model` (its architecture, any weights),
+    they are the model's, per-expert weights put back together into its 3-D experts parameters."""
     with open(os.path.join(directory, "config.json")) as f:
         block = (json.load(f).get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
     tensors = formats.read_weights(directory)
@@ -148,7 +164,15 @@ def load_fp8_checkpoint(directory: str) -> Dict[str, torch.Tensor]:
             continue
         scale = formats.scale_of(tensors, name) if name.endswith(".weight") else None
         state[name] = formats.dequantize(tensor, scale, block[0]) if scale is not None else tensor
-    return state
+    return state if model is None else _model_state(model, state)
+
+
+def _model_state(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`state` (checkpoint names) under `model`'s names, per-expert weights stacked into 3-D."""
+    renamed, slots = export_experts.model_names(model, state)
+    out = {renamed.get(k, k): v for k, v in state.items() if k not in slots}
+    out.update(export_experts.assemble_experts(model, slots, state.__getitem__, torch.float32, "cpu"))
+    return out
 
 
 # export_model's parts -----------------------------------------------------------------------------

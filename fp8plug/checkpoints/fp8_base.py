@@ -12,6 +12,10 @@ accelerate's `init_empty_weights` does) and filled one tensor at a time, read by
 straight onto `device`: no whole-model copy in any dtype. 128x128 block checkpoints
 (`weight_scale_inv`) are requantized to one scale per tensor at load, tensor by tensor on the
 device; the worst requantization SQNR is logged once (docs/fp8_base.md says why per tensor).
+Checkpoint names are save_pretrained's (fp8plug.checkpoints.export_experts maps them back); MoE
+experts stored one FP8 weight per expert are dequantized into the model's 3-D expert parameters in
+`dtype`, trainable or not: no frozen FP8 layer takes 3-D experts, and under LoRA they are frozen
+high-precision weights like the embeddings.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 
 from fp8plug.backends import get_backend
 from fp8plug.backends.base import offers
+from fp8plug.checkpoints import export_experts
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.layers.gemm_counts import count_gemms
 from fp8plug.layers.rules import module_paths, replace_module
@@ -87,6 +92,7 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
         raise ValueError(f"load_fp8_base: {path} has scales without weights: {missing_weights[:3]}")
     modules = dict(model.named_modules())
     paths = module_paths(model)
+    renamed, expert_slots = export_experts.model_names(model, where)  # save_pretrained's names -> the model's
     handles: Dict[str, object] = {}
 
     def read(key):
@@ -98,13 +104,14 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
     loaded, worst = {"fp8": 0, "high": 0}, (float("inf"), None)
     done = set()
     for key in where:
-        if key.endswith(SCALE_SUFFIXES) or key in done:
+        if key.endswith(SCALE_SUFFIXES) or key in done or key in expert_slots:
             continue
         if key in fp8_weights:
             stem = key[: -len(".weight")]
             bias_key = f"{stem}.bias"
             bias = read(bias_key) if bias_key in where else None
             done.add(bias_key)
+            stem = renamed.get(key, key)[: -len(".weight")]
             new, sqnr = _fp8_linear(engine, modules.get(stem), stem, read(key), read(fp8_weights[key]), bias, block,
                                     dtype, trainable, type(model).__name__)
             replace_module(model, stem, new, paths)
@@ -112,8 +119,17 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
             if sqnr < worst[0]:
                 worst = (sqnr, stem)
         else:
-            _assign(model, key, read(key), dtype)
+            _assign(model, renamed.get(key, key), read(key), dtype)
             loaded["high"] += 1
+
+    def expert_weight(key):  # MoE experts are dequantized into their 3-D parameters, trainable or not
+        scale_key = fp8_weights.get(key)
+        weight = read(key)
+        return weight if scale_key is None else formats.dequantize(weight, read(scale_key), block or formats.BLOCK)
+
+    experts = export_experts.assemble_experts(model, expert_slots, expert_weight, dtype, device)
+    for name, tensor in experts.items():
+        _assign(model, name, tensor, dtype)
     _tie_head(model)
     head = _quantize_head(engine, model, paths, dtype) if fp8_head and not trainable else None
     _refuse_missing(model, path)
@@ -125,9 +141,11 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
     requantized = (f"; {block}x{block} block scales requantized to one per tensor, "
                    + ("exactly" if exact else f"worst SQNR {worst[0]:.1f} dB ({worst[1]})")
                    if block and loaded["fp8"] and not trainable else "")
-    logger.info("fp8plug: loaded %s: %d Linears %s%s%s, %d other tensors in %s", path, loaded["fp8"],
+    logger.info("fp8plug: loaded %s: %d Linears %s%s%s, %d other tensors in %s%s", path, loaded["fp8"],
                 "dequantized to " + str(dtype) + " (trainable)" if trainable else "kept in FP8 (frozen)", requantized,
-                f"; {head} quantized to FP8 at load (fp8_head)" if head else "", loaded["high"], dtype)
+                f"; {head} quantized to FP8 at load (fp8_head)" if head else "", loaded["high"], dtype,
+                f", {len(experts)} MoE expert parameters put together from per-expert weights in {dtype}"
+                if experts else "")
     return model
 
 

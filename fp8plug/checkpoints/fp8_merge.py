@@ -25,6 +25,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
+from fp8plug.checkpoints import export_experts
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.checkpoints.export import FP8CheckpointReport
 from fp8plug.checkpoints.export_dir import replacing
@@ -81,9 +82,14 @@ def merge_and_export(model: nn.Module, directory, *, layout: str = "block",
         tensors[name] = value.cpu()
     for stem, why in _kept_linears(inner, frozen).items():
         report.kept.setdefault(stem, why)
+    experts = export_experts.plan(inner)  # MoE experts (high precision in memory): FP8 per expert, as the source
+    report.kept.update(experts.kept)
+    report.experts = experts.fp8
+    tensors = export_experts.checkpoint_tensors(inner, tensors, experts, layout)
     entry = formats.model_config(inner)
     entry["dtype"] = str(next(m.compute_dtype for m in frozen.values())).rpartition(".")[2]
-    entry["quantization_config"] = formats.quantization_config(layout, report.kept)
+    entry["quantization_config"] = formats.quantization_config(
+        layout, export_experts.module_checkpoint_names(inner, report.kept))
     with replacing(directory) as work:
         report.files = formats.write_weights(tensors, work, max_shard_size)
         formats.write_json(os.path.join(work, "config.json"), entry)

@@ -324,7 +324,7 @@ def test_fsdp2_shards_the_experts_and_trains_them_in_fp8(tmp_path):
         assert rank["losses"][-1] < rank["losses"][0]
 
 
-def test_save_fp8_checkpoint_names_the_experts_it_writes_in_high_precision(tmp_path):
+def test_save_fp8_checkpoint_writes_the_experts_in_fp8_one_weight_per_expert(tmp_path):
     import json
 
     from fp8plug.checkpoints.export import load_fp8_checkpoint, save_fp8_checkpoint
@@ -333,7 +333,8 @@ def test_save_fp8_checkpoint_names_the_experts_it_writes_in_high_precision(tmp_p
     fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
     report = save_fp8_checkpoint(model, str(tmp_path / "ckpt"))
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.mlp.experts" in config["modules_to_not_convert"]
-    assert "model.layers.0.mlp.experts" in report.kept and "model.layers.0.self_attn.q_proj" in report.quantized
-    state = load_fp8_checkpoint(str(tmp_path / "ckpt"))
-    assert torch.equal(state["model.layers.0.mlp.experts.down_proj"], model.model.layers[0].mlp.experts.down_proj)
+    assert "model.layers.0.mlp.experts" not in config["modules_to_not_convert"]
+    assert report.experts == ["model.layers.0.mlp.experts"] and "model.layers.0.self_attn.q_proj" in report.quantized
+    state = load_fp8_checkpoint(str(tmp_path / "ckpt"), model=model)  # tests/cpu/test_export_experts.py: the layout
+    down = model.model.layers[0].mlp.experts.down_proj
+    assert sqnr_db(state["model.layers.0.mlp.experts.down_proj"], down) > 25
