@@ -208,11 +208,15 @@ def fsdp_on_cpu(accelerator, plugin) -> None:
     """For the CPU tests: accelerate 1.15 turns FSDP on only for GPU-like distributed types
     (AcceleratorState: MULTI_GPU, ...) and would train these CPU processes with DDP; torch's
     fully_shard itself runs on CPU over gloo, so the state is switched to FSDP by hand, as
-    AcceleratorState would have set it."""
+    AcceleratorState would have set it, PartialState's copy included (every later AcceleratorState(),
+    such as the one prepare's AcceleratedOptimizer makes, copies PartialState's distributed_type
+    back: get_state_dict would then not gather the FSDP2 shards)."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     state = accelerator.state
     state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)

@@ -314,16 +314,6 @@ def test_the_speed_filter_keeps_experts_too_small_to_gain_in_bf16():
     assert speed_problem(experts, make_module_filter("native", tokens=8192, min_speedup=0.85)) is None
 
 
-@pytest.mark.slow
-def test_fsdp2_shards_the_experts_and_trains_them_in_fp8(tmp_path):
-    from tests.support.moe_fsdp2_worker import run_ranks
-
-    for rank in run_ranks(tmp_path, 4, FP8PLUG_TEST_CPU="1"):
-        assert rank["placement"] == "(Shard(dim=0),)"  # the experts' 3-D weights, sharded by expert
-        assert rank["experts"] == [8, 0] and rank["implementation"] == FP8PLUG_EXPERTS
-        assert rank["losses"][-1] < rank["losses"][0]
-
-
 def test_save_fp8_checkpoint_writes_the_experts_in_fp8_one_weight_per_expert(tmp_path):
     import json
 
