@@ -10,6 +10,8 @@ get several times the mean load, as trained routers do), times:
   fp8       fp8plug.backends.native.grouped.grouped_fp8_linear: the casts, the group padding to
             16 rows (counted: it is part of the call) and the three FP8 grouped GEMMs
   fp8-gemm  the FP8 forward GEMM alone on operands cast beforehand (what the kernel costs)
+  fp8 unfused  forward + backward with the casts as separate torch ops (what eager training ran
+            before grouped_cast.py fused them; the same bytes)
 
 and reports milliseconds, TFLOP/s of the useful work (2 * rows * K * N a GEMM, three GEMMs for
 forward + backward; padding rows not counted as work) and that as a share of the GPU's dense peak
@@ -18,6 +20,7 @@ the layout adds. CUDA only, sm_90 for FP8; `--device cpu` runs one tiny shape th
 emulation so the script is known to work.
 
     python3 benchmarks/moe/grouped_gemm.py --json out/grouped_gemm.json
+    python3 benchmarks/moe/grouped_gemm.py --weight-dtype float32 --json out/grouped_gemm_fp32.json
     python3 benchmarks/moe/grouped_gemm.py --device cpu
 """
 
@@ -81,7 +84,19 @@ def timed(fn, device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(model: str, projection: str, device, skew: float, repeats: int, peaks) -> dict:
+def unfused(fn):
+    """`fn` with the grouped GEMM's casts as plain torch ops (grouped_cast.py's fusion off)."""
+    def run():
+        fused, grouped._fused = grouped._fused, lambda t: False
+        try:
+            return fn()
+        finally:
+            grouped._fused = fused
+    return run
+
+
+def measure(model: str, projection: str, device, skew: float, repeats: int, peaks,
+            weight_dtype: torch.dtype = torch.bfloat16) -> dict:
     tokens, experts, top_k, hidden, ffn = SHAPES[model]
     n, k = (2 * ffn, hidden) if projection == "gate_up" else (hidden, ffn)
     sizes = group_sizes(tokens, experts, top_k, skew)
@@ -89,12 +104,12 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
     offs = sizes.cumsum(0).to(torch.int32).to(device)
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = (torch.randn(rows, k, generator=gen) * 0.5).to(device, torch.bfloat16).requires_grad_()
-    w = (torch.randn(experts, n, k, generator=gen) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(experts, n, k, generator=gen) * 0.02).to(device, weight_dtype).requires_grad_()
     g = torch.randn(rows, n, generator=gen).to(device, torch.bfloat16)
     layout = grouped.group_layout(offs, rows)
     padded = int(layout.offs[-1])
     flops = 2 * rows * k * n
-    out = dict(model=model, projection=projection, rows=rows, experts=experts, k=k, n=n,
+    out = dict(model=model, projection=projection, rows=rows, experts=experts, k=k, n=n, weight_dtype=str(weight_dtype),
                max_over_mean_group=float(sizes.max() / sizes.float().mean()),
                padding_rows=padded - rows, padding_share=(padded - rows) / rows)
 
@@ -106,7 +121,12 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
 
     fp8 = grouped.grouped_fp8_linear
     cases = {"bf16_fwd": lambda: grouped_bf16(x, w, offs), "bf16_fwd_bwd": fwd_bwd(grouped_bf16),
-             "fp8_fwd": lambda: fp8(x, w, offs), "fp8_fwd_bwd": fwd_bwd(fp8)}
+             "fp8_fwd": lambda: fp8(x, w, offs), "fp8_fwd_bwd": fwd_bwd(fp8),
+             "fp8_unfused_fwd_bwd": unfused(fwd_bwd(fp8))}
+    if weight_dtype != torch.bfloat16:  # bf16 grouped_mm takes one dtype: bf16 runs on a bf16 copy
+        w16 = w.detach().to(torch.bfloat16).requires_grad_()
+        cases["bf16_fwd"] = lambda: grouped_bf16(x, w16, offs)
+        cases["bf16_fwd_bwd"] = lambda: torch.autograd.grad(grouped_bf16(x, w16, offs), (x, w16), g)
     x8, x_inv = grouped.rowwise(grouped.pad_groups(x.detach(), layout))
     w8, w_inv = grouped.rowwise(w.detach())
     cases["fp8_gemm_fwd"] = lambda: grouped.scaled_grouped_mm(x8, w8.transpose(-2, -1), x_inv, w_inv, layout.offs,
@@ -131,7 +151,7 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
 def table(results: list, peaks) -> str:
     lines = [f"roofline: dense peaks bf16 {peaks[0]:.0f}, FP8 {peaks[1]:.0f} TFLOP/s", "",
              "| model | projection | rows (pad) | K x N | bf16 fwd ms | FP8 fwd ms | FP8 GEMM fwd ms | fwd x | "
-             "bf16 fwd+bwd ms | FP8 fwd+bwd ms | fwd+bwd x | FP8 fwd+bwd TFLOP/s (% peak) |",
+             "bf16 fwd+bwd ms | FP8 fwd+bwd ms (unfused casts) | fwd+bwd x | FP8 fwd+bwd TFLOP/s (% peak) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ms(case):
@@ -144,7 +164,8 @@ def table(results: list, peaks) -> str:
             f"| {r['model']} | {r['projection']} | {r['rows']} ({r['padding_share'] * 100:.1f}%) | "
             f"{r['k']} x {r['n']} | "
             f"{ms(r['bf16_fwd'])} | {ms(r['fp8_fwd'])} | {ms(r['fp8_gemm_fwd'])} | {r.get('speedup_fwd', 0):.2f} | "
-            f"{ms(r['bf16_fwd_bwd'])} | {ms(r['fp8_fwd_bwd'])} | {r.get('speedup_fwd_bwd', 0):.2f} | {roof} |")
+            f"{ms(r['bf16_fwd_bwd'])} | {ms(r['fp8_fwd_bwd'])} ({ms(r['fp8_unfused_fwd_bwd'])}) | "
+            f"{r.get('speedup_fwd_bwd', 0):.2f} | {roof} |")
     return "\n".join(lines) + "\n"
 
 
@@ -156,12 +177,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bf16-peak", type=float, default=989.0, help="dense bf16 TFLOP/s (H100/H200 SXM)")
     p.add_argument("--fp8-peak", type=float, default=1979.0, help="dense FP8 TFLOP/s (H100/H200 SXM)")
+    p.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the experts' weights: bf16, or float32 master weights as Accelerate users train")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     models = (args.models or ("toy" if device.type == "cpu" else "mixtral,qwen3moe")).split(",")
     peaks = (args.bf16_peak, args.fp8_peak)
-    results = [measure(m, proj, device, args.skew, args.repeats if device.type == "cuda" else 2, peaks)
+    results = [measure(m, proj, device, args.skew, args.repeats if device.type == "cuda" else 2, peaks,
+                       getattr(torch, args.weight_dtype))
                for m in models for proj in ("gate_up", "down")]
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 torch=torch.__version__, skew=args.skew, peaks_tflops=dict(bf16=peaks[0], fp8=peaks[1]))

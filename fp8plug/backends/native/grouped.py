@@ -34,11 +34,13 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from fp8plug.backends.gemm import emulates, fp8_to_float
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)
-GROUP_ALIGNMENT = 16  # rows per token group, and the stride alignment of the FP8 operands
-AMAX_FLOOR = 1e-12  # an all-zero row (padding) gets a finite scale
+from fp8plug.backends.native import grouped_cast
+from fp8plug.backends.native.grouped_cast import (  # the casts' constants, written once there
+    AMAX_FLOOR,  # an all-zero row (padding) gets a finite scale
+    E4M3,
+    E4M3_MAX,
+    GROUP_ALIGNMENT,  # rows per token group, and the stride alignment of the FP8 operands
+)
 
 
 def grouped_gemm_problem(device: Optional[torch.device] = None) -> Optional[str]:
@@ -136,6 +138,29 @@ def groupwise_columns(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tenso
     return data.t().contiguous(), scale.reciprocal().reshape(-1).contiguous()
 
 
+def _fused(t: torch.Tensor) -> bool:
+    """Whether `t`'s cast runs fused (grouped_cast: eagerly on CUDA), the same bytes as the torch ops above."""
+    return grouped_cast.usable(t)
+
+
+def cast_weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return grouped_cast.weight_forward(w_nk) if _fused(w_nk) else rowwise(w_nk)
+
+
+def cast_weight_input_grad(w_kn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return grouped_cast.weight_input_grad(w_kn) if _fused(w_kn) else rowwise(w_kn)
+
+
+def cast_tokens(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return grouped_cast.tokens(t) if _fused(t) else rowwise(t)
+
+
+def cast_weight_grad_operand(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+    if _fused(t):
+        return grouped_cast.weight_grad_operand(t, layout.group, layout.experts)
+    return groupwise_columns(t, layout)
+
+
 # --- the GEMM, real or emulated ---------------------------------------------------------------------
 
 
@@ -197,8 +222,8 @@ class _GroupedFP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, offs, transposed: bool, result_dtype: torch.dtype):
         layout = group_layout(offs, x.shape[0])
         w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
-        x_fp8, x_inv = rowwise(pad_groups(x, layout))
-        w_fp8, w_inv = rowwise(w_nk)
+        x_fp8, x_inv = cast_tokens(pad_groups(x, layout))
+        w_fp8, w_inv = cast_weight_forward(w_nk)
         out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
         out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
         ctx.save_for_backward(x, weight, offs)
@@ -214,14 +239,14 @@ class _GroupedFP8Linear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_nk = weight.transpose(-2, -1) if ctx.transposed else weight
-            g_fp8, g_inv = rowwise(g)
-            w_kn_fp8, w_kn_inv = rowwise(w_nk.transpose(-2, -1))  # [E, K, N], one scale per (expert, k)
+            g_fp8, g_inv = cast_tokens(g)
+            w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk.transpose(-2, -1))  # [E, K, N], a scale per (expert, k)
             grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs,
                                        out_dtype, False)
             grad_x = unpad_groups(grad_x, layout).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            g_t, g_t_inv = groupwise_columns(g, layout)  # [N, P]
-            x_t, x_t_inv = groupwise_columns(pad_groups(x, layout), layout)  # [K, P]
+            g_t, g_t_inv = cast_weight_grad_operand(g, layout)  # [N, P]
+            x_t, x_t_inv = cast_weight_grad_operand(pad_groups(x, layout), layout)  # [K, P]
             grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
             grad_w = (grad_w.transpose(-2, -1) if ctx.transposed else grad_w).to(weight.dtype)
         return grad_x, grad_w, None, None, None

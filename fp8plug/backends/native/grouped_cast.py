@@ -1,0 +1,143 @@
+"""The grouped FP8 GEMM's rowwise casts, fused, for eager training on a GPU.
+
+Why: eagerly, each cast in backends/native/grouped.py (amax per row or per group and column, the
+scale, the scaled tensor, the FP8 copy, the scale's reciprocal) is five to seven torch launches,
+each reading or writing the whole tensor in float32. For a Mixtral-sized experts module that is
+the 3-D weight (940M elements for gate_up) read and written several times a step in each
+direction, which cost more than FP8's GEMMs saved (docs/moe.md: 0.1-0.4x bf16 eagerly). Here each
+cast is one torch.compile'd function (fullgraph, static shapes): the compiler makes one kernel of
+the reduction and the cast where the reduced dimension is a row (the forward's weight, the token
+rows), and reads the tensor at most twice otherwise.
+
+Bit for bit the casts of grouped.py, on every backend: the maximum, the clamp, the product and the
+float8 conversion are exact operations; Triton's float32 division is not (inductor writes it as
+an approximate division unless told otherwise), so the two divisions here (the scale 448 / amax
+and its reciprocal) are made in float64 and rounded to float32, which gives the correctly rounded
+float32 quotient (a quotient of two floats rounded twice through a format of more than twice the
+precision is rounded once). tests/cpu/test_moe_casts.py checks the fused casts against grouped.py's.
+
+When: eagerly on CUDA only (`usable`). Under torch.compile(model) grouped.py's torch ops are
+traced as they are and the compiler fuses them into the kernels around them, as with
+fused_cast.py's Linear casts; on a CPU (the emulation) the torch ops run, as they are the
+reference. A function is compiled once per shape (dynamo's cache, one per role below, so the
+weight, token and weight-gradient casts of both projections each keep their own entries).
+
+The forward's weight cast (rowwise along K) and the input gradient's (along N) are made when each
+is needed, each one compiled function over the weight (one kernel for the forward's, whose rows
+are contiguous): making both from one read in the forward would keep an FP8 copy of every expert
+weight alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for 32 layers).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+AMAX_FLOOR = 1e-12  # an all-zero row (padding) gets a finite scale
+GROUP_ALIGNMENT = 16  # rows per token group (grouped.py's padded layout)
+
+
+def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """1 / t in float32, correctly rounded (as torch's eager reciprocal) whatever division the
+    backend emits."""
+    return (1.0 / t.double()).float()
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """E4M3_MAX / amax as eager torch computes a number over a tensor (Tensor.__rtruediv__: the
+    tensor's reciprocal, then times the number), clamped as grouped.py does."""
+    return _reciprocal(amax.clamp(min=AMAX_FLOOR)) * E4M3_MAX
+
+
+def _rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """grouped.rowwise's cast: e4m3 with one scale per row of the last dimension, the inverses."""
+    amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = _scale(amax)
+    data = (t * scale).to(E4M3).contiguous()
+    return data, _reciprocal(scale).squeeze(-1).contiguous()
+
+
+def _groupwise_columns(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """grouped.groupwise_columns's cast, the layout given as its `group` (of each padded row)."""
+    rows, columns = t.shape
+    blocks = torch.linalg.vector_norm(t.view(rows // GROUP_ALIGNMENT, GROUP_ALIGNMENT, columns), ord=float("inf"),
+                                      dim=1, dtype=torch.float32)
+    index = group[::GROUP_ALIGNMENT, None].expand(-1, columns)
+    amax = blocks.new_zeros(experts, columns).scatter_reduce_(0, index, blocks, "amax")
+    scale = _scale(amax)
+    data = (t * scale.index_select(0, group)).to(E4M3)
+    return data.t().contiguous(), _reciprocal(scale).reshape(-1).contiguous()
+
+
+# One function per role: dynamo keeps a cache of compiled shapes per function (8 by default), and
+# a step casts eight differently shaped or strided operands.
+def _weight_forward(t):
+    return _rowwise(t)
+
+
+def _weight_input_grad(t):
+    return _rowwise(t)
+
+
+def _tokens(t):
+    return _rowwise(t)
+
+
+def _weight_grad_operand(t, group, experts):
+    return _groupwise_columns(t, group, experts)
+
+
+_COMPILED: Dict[Callable, Callable] = {}
+
+
+def compiled(function: Callable) -> Callable:
+    """`function` compiled (fullgraph, static shapes), once per process; nothing is compiled before
+    the first cast that needs it."""
+    done = _COMPILED.get(function)
+    if done is None:
+        done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=False)
+    return done
+
+
+_READY = None
+
+
+def _triton_on_cuda() -> bool:
+    global _READY
+    if _READY is None:
+        from fp8plug.backends.native.fused_cast import triton_on_cuda
+
+        _READY = triton_on_cuda()
+    return _READY
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the fused casts run for `t`: eagerly (not inside torch.compile), on CUDA, with Triton."""
+    return t.is_cuda and not torch.compiler.is_compiling() and _triton_on_cuda()
+
+
+def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward's weight [E, N, K] cast rowwise along K."""
+    return compiled(_weight_forward)(w_nk)
+
+
+def weight_input_grad(w_kn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The input gradient's weight, [E, K, N] (a transposed view of [E, N, K]), cast along N,
+    written contiguous."""
+    return compiled(_weight_input_grad)(w_kn)
+
+
+def tokens(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A padded token operand [P, C] (input or output gradient) cast per row."""
+    return compiled(_tokens)(t)
+
+
+def weight_grad_operand(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An operand of the weight gradient, per group and column, transposed."""
+    return compiled(_weight_grad_operand)(t, group, experts)
+
+
+__all__ = ["tokens", "usable", "weight_forward", "weight_grad_operand", "weight_input_grad"]
