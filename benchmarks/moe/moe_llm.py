@@ -17,11 +17,15 @@ inductor and triton caches):
   fp8plug-noexperts    the same with every experts module in modules_to_ignore (splits the gain: Linears vs experts)
   fp8plug-nofilter     the same with auto_filter=False: every aligned Linear and experts module in FP8, whatever
                        the speed filter predicts (checks its verdict: Qwen3-MoE's experts are predicted 0.70x)
+  fp8plug-nofilter-unfusedcasts  the same with the grouped GEMM's eager casts as separate torch ops (what
+                       backends/native/grouped_cast.py fused; the same bytes): its `-eager` row against
+                       fp8plug-nofilter-eager is what the fusion gains on the whole model
 
 each `-eager`, `-compiled` (Accelerate's dynamo_backend="inductor") or `-usercompiled`
 (`torch.compile(model)` after prepare). Reported per row: tokens/s (median step after the warm-up),
-peak memory, seconds to the first step, the loss (mean of the last 10 steps), how many experts
-modules ran in FP8 (fp8plug.fp8_coverage) and the share of padding rows the grouped GEMM added.
+peak memory, seconds to the first step, the loss (mean of the last 10 steps) and how far it is
+from the bf16 row's of the same compile mode (bf16-eager for -eager rows, ...; %), how many
+experts modules ran in FP8 (fp8plug.fp8_coverage) and the share of padding rows the grouped GEMM added.
 
     python3 benchmarks/moe/moe_llm.py --model mixtral --steps 200 --json out/moe_mixtral.json
     python3 benchmarks/moe/moe_llm.py --model qwen3moe --rows bf16-usercompiled,fp8plug-usercompiled --steps 50
@@ -70,6 +74,7 @@ BASES = {
     "fp8plug": ("fp8plug", "fp8", {}),
     "fp8plug-noexperts": ("fp8plug", "fp8", dict(ignore_experts=True)),
     "fp8plug-nofilter": ("fp8plug", "fp8", dict(auto_filter=False)),
+    "fp8plug-nofilter-unfusedcasts": ("fp8plug", "fp8", dict(auto_filter=False, unfused_casts=True)),
 }
 MODES = ("eager", "compiled", "usercompiled")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
@@ -123,6 +128,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         handlers = ([fp8plug.FP8RecipeKwargs(backend=engine, modules_to_ignore=ignore, **extra)]
                     if ignore or engine or extra else [])
         cls = fp8plug.Accelerator
+        if options.get("unfused_casts"):
+            from fp8plug.backends.native import grouped
+
+            grouped._fused = lambda t: False
     else:
         cls = accelerate.Accelerator
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",
@@ -222,6 +231,16 @@ def spawn(row: str, args, timeout: float) -> dict:
         return dict(row=row, error=f"process exited {code}: {err.strip().splitlines()[-1:]}")
 
 
+def loss_vs_bf16(row: dict, ok: dict, ref: dict):
+    """(row's loss - bf16's) / bf16's in %, against the bf16 row of the same compile mode where
+    there is one (else `ref`): FP8's cost in loss, apart from what compiling changes."""
+    mode = row["row"].rsplit("-", 1)[1]
+    base = ok.get(f"bf16-{mode}") or ref
+    if not base or row.get("loss") is None or base.get("loss") is None:
+        return None, None
+    return 100.0 * (row["loss"] - base["loss"]) / base["loss"], base["row"]
+
+
 def table(meta: dict, rows: list) -> str:
     s = meta["spec"]
     ok = {r["row"]: r for r in rows if r.get("tokens_per_s")}
@@ -235,8 +254,8 @@ def table(meta: dict, rows: list) -> str:
              f"{s['batch']} x {s['seq']}; {meta['steps']} steps; loss floor {loss_floor(s):.3f}",
              f"{meta.get('device') or '-'}; {meta['versions']}", "",
              f"| row | engine | tok/s | vs {ref['row'] if ref else '-'} | peak GB | first step s | loss "
-             "| experts in FP8 | note |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| loss vs bf16 % (same mode) | experts in FP8 | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         speed = r["tokens_per_s"] / ref["tokens_per_s"] if ref and r.get("tokens_per_s") else None
         experts = f"{r['experts_fp8']}/{r['experts_total']}" if r.get("experts_total") is not None else "-"
@@ -244,7 +263,7 @@ def table(meta: dict, rows: list) -> str:
         lines.append(f"| {r['row']} | {r.get('engine') or '-'} | {f(r.get('tokens_per_s'), ',.0f')} | "
                      f"{f(speed, '.2f', 'x')} | "
                      f"{f(r.get('peak_gb'), '.1f')} | {f(r.get('first_step_s'), '.1f')} | {f(r.get('loss'), '.4f')} | "
-                     f"{experts} | {note.replace('|', '/')} |")
+                     f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {experts} | {note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +315,10 @@ def parse_args(argv=None):
 
 def save(path, meta: dict, rows: list) -> None:
     meta["device"] = next((r["device"] for r in rows if r.get("device")), None)
+    ok = {r["row"]: r for r in rows if r.get("tokens_per_s")}
+    ref = next((ok[n] for n in ("bf16-usercompiled", "bf16-compiled", "bf16-eager") if n in ok), None)
+    for r in rows:
+        r["loss_vs_bf16_pct"], r["loss_vs_bf16_of"] = loss_vs_bf16(r, ok, ref)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
