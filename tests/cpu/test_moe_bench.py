@@ -1,0 +1,54 @@
+"""benchmarks/moe's bookkeeping without launching a row: the loss against the bf16 row of the
+same compile mode, the issue's model shapes, every base in every compile mode, and the
+unfused-casts switch of grouped_gemm.py putting the fused casts back. (A toy row end to end:
+`python3 benchmarks/moe/moe_llm.py --device cpu --model toy --steps 4 --backend native
+--compile-backend aot_eager`, about 2 minutes here, mostly imports.)"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "moe"))
+import grouped_gemm  # noqa: E402
+import moe_llm  # noqa: E402
+
+
+def test_loss_is_compared_with_bf16_of_the_same_compile_mode():
+    rows = [dict(row="bf16-eager", tokens_per_s=1.0, loss=2.0),
+            dict(row="bf16-usercompiled", tokens_per_s=2.0, loss=2.5),
+            dict(row="fp8plug-eager", tokens_per_s=1.5, loss=2.02),
+            dict(row="fp8plug-compiled", tokens_per_s=3.0, loss=2.5),
+            dict(row="fp8plug-usercompiled", error="timed out", loss=None)]
+    moe_llm.save(None, dict(), rows)
+    by = {r["row"]: r for r in rows}
+    assert by["fp8plug-eager"]["loss_vs_bf16_pct"] == pytest.approx(1.0)
+    assert by["fp8plug-eager"]["loss_vs_bf16_of"] == "bf16-eager"
+    # no bf16-compiled row: against the table's reference, bf16-usercompiled
+    assert by["fp8plug-compiled"]["loss_vs_bf16_of"] == "bf16-usercompiled"
+    assert by["fp8plug-compiled"]["loss_vs_bf16_pct"] == pytest.approx(0.0)
+    assert by["fp8plug-usercompiled"]["loss_vs_bf16_pct"] is None
+
+
+def test_the_issue_shapes_and_rows():
+    assert moe_llm.MODELS["qwen3moe"] == dict(arch="qwen3moe", layers=4, hidden=2048, expert_ffn=768, experts=128,
+                                              top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                                              seq=2048, batch=4)
+    mixtral = moe_llm.MODELS["mixtral"]
+    assert (mixtral["hidden"], mixtral["experts"], mixtral["top_k"], mixtral["expert_ffn"], mixtral["heads"],
+            mixtral["kv_heads"], mixtral["layers"], mixtral["vocab"], mixtral["batch"], mixtral["seq"]) == (
+        4096, 8, 2, 14336, 32, 8, 2, 32000, 4, 2048)
+    for base in ("bf16", "bf16-bf16weights", "fp8plug", "accelerate-ao", "fp8plug-nofilter-unfusedcasts"):
+        for mode in ("eager", "compiled", "usercompiled"):
+            assert f"{base}-{mode}" in moe_llm.ALL_ROWS
+    args = moe_llm.parse_args(["--rows", "fp8plug-nofilter-unfusedcasts-eager"])
+    assert args.row_list == ["fp8plug-nofilter-unfusedcasts-eager"]
+
+
+def test_unfused_run_restores_the_fused_casts():
+    from fp8plug.backends.native import grouped
+
+    fused, seen = grouped._fused, []
+    grouped_gemm.unfused(lambda: seen.append(grouped._fused(None)))()
+    assert seen == [False] and grouped._fused is fused
