@@ -46,14 +46,17 @@ def test_weight_casts_both_directions_are_bit_identical():
 
 def test_token_and_weight_gradient_casts_are_bit_identical():
     torch.manual_seed(1)
-    offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)
-    layout = grouped.group_layout(offs, sum(SIZES))
-    x = torch.randn(sum(SIZES), 64) * 30
-    x[7, 3] = float("nan")
-    padded = grouped.pad_groups(x, layout)
-    _same(grouped_cast.tokens(padded), grouped.rowwise(padded))
-    _same(grouped_cast.weight_grad_operand(padded, layout.group, layout.experts),
-          grouped.groupwise_columns(padded, layout))
+    # two token counts and widths (the up and down projections' operands): the second compiles
+    # the casts again with the sizes symbolic, as a batch of another length does
+    for sizes, width in ((SIZES, 64), ([40, 3, 0, 16, 9], 32)):
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        layout = grouped.group_layout(offs, sum(sizes))
+        x = torch.randn(sum(sizes), width) * 30
+        x[7, 3] = float("nan")
+        padded = grouped.pad_groups(x, layout)
+        _same(grouped_cast.tokens(padded), grouped.rowwise(padded))
+        _same(grouped_cast.weight_grad_operand(padded, layout.group, layout.experts),
+              grouped.groupwise_columns(padded, layout))
 
 
 def test_eager_cuda_only_and_never_inside_torch_compile():

@@ -19,8 +19,9 @@ precision is rounded once). tests/cpu/test_moe_casts.py checks the fused casts a
 When: eagerly on CUDA only (`usable`). Under torch.compile(model) grouped.py's torch ops are
 traced as they are and the compiler fuses them into the kernels around them, as with
 fused_cast.py's Linear casts; on a CPU (the emulation) the torch ops run, as they are the
-reference. A function is compiled once per shape (dynamo's cache, one per role below, so the
-weight, token and weight-gradient casts of both projections each keep their own entries).
+reference. The weight casts are compiled once per shape (static), the token casts at most twice
+(then with the token count symbolic); one function per role below, so each keeps its own entries
+in dynamo's cache.
 
 The forward's weight cast (rowwise along K) and the input gradient's (along N) are made when each
 is needed, each one compiled function over the weight (one kernel for the forward's, whose rows
@@ -90,15 +91,23 @@ def _weight_grad_operand(t, group, experts):
     return _groupwise_columns(t, group, experts)
 
 
+# The token operands' row count follows the batch's token count, which changes from batch to batch where
+# sequence lengths vary: compiled for the first count, then once more with that dimension symbolic
+# (dynamo's automatic dynamic shapes) at the second, rather than once per count (seconds each, and
+# past dynamo's cache limit the torch ops again). The weights' shapes never change: static.
+_TOKEN_ROLES = (_tokens, _weight_grad_operand)
+
+
 _COMPILED: Dict[Callable, Callable] = {}
 
 
 def compiled(function: Callable) -> Callable:
-    """`function` compiled (fullgraph, static shapes), once per process; nothing is compiled before
-    the first cast that needs it."""
+    """`function` compiled (fullgraph), once per process; nothing is compiled before the first
+    cast that needs it."""
     done = _COMPILED.get(function)
     if done is None:
-        done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=False)
+        dynamic = None if function in _TOKEN_ROLES else False
+        done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=dynamic)
     return done
 
 
