@@ -3,11 +3,12 @@ launch` (tests/support/moe_distributed_worker.py: one launch runs both), against
 in one process on the same global batch (docs/moe.md, "Distributed training"). About 30 s, most of
 it two processes importing torch, transformers and accelerate on a busy CPU.
 
-Tolerances (measured on the CPU: above 80 dB, 19-21 dB, 2e-4; FSDP2 1.3e-3): DDP's gradient
-is the mean of the ranks' own FP8 gradients, so it matches the mean of two one-process runs on
-the halves to float32 rounding; against one process on the whole batch it differs by FP8 scaling
-(the Linears' per-tensor scales and the experts' weight-gradient scales per expert and column
-come from each rank's tokens). FSDP2 computes in bf16 (Accelerate's FSDP2 policy for
+Tolerances (bounds 50 dB, 15 dB, 0.2%, FSDP2 1%; measured on the CPU: above 80 dB, 19-21 dB,
+0.02%, FSDP2 0.13%): DDP's gradient is the mean of the ranks' own FP8 gradients, so it matches the
+mean of two one-process runs on the halves to float32 rounding (an FP8 rounding flipped by it
+counts too); against one process on the whole batch it differs by FP8 scaling (the Linears'
+per-tensor scales and the experts' weight-gradient scales per expert and column come from each
+rank's tokens). FSDP2 computes in bf16 (Accelerate's FSDP2 policy for
 mixed_precision="fp8" is param_dtype bf16) against fp32 weights under autocast in one process."""
 
 import pytest
@@ -33,7 +34,7 @@ def reference():
 
 
 def test_ddp_gradients_and_losses_match_one_process_on_the_global_batch(launched, reference):
-    worker.check_ddp(launched["ddp"], reference, STEPS, halves_sqnr=80, whole_sqnr=15, loss_rtol=2e-3)
+    worker.check_ddp(launched["ddp"], reference, STEPS, halves_sqnr=50, whole_sqnr=15, loss_rtol=2e-3)
 
 
 def test_fsdp2_shards_experts_by_expert_and_trains_them_in_fp8(launched, reference):
