@@ -121,6 +121,6 @@ def test_compiled_fp8_experts_compute_what_eager_ones_do(name):
     (eager_loss, eager), (compiled_loss, compiled) = results
     assert abs(compiled_loss - eager_loss) < 1e-2 * abs(eager_loss), (compiled_loss, eager_loss)
     assert eager.keys() == compiled.keys()
-    worst = min((sqnr_db(compiled[n], eager[n]), n) for n in eager if eager[n].norm() > 0)
-    assert worst[0] > 20, worst
+    low = sorted((round(sqnr_db(compiled[n], eager[n]), 1), n) for n in eager if eager[n].norm() > 0)
+    assert low[0][0] > 20, low[:8]
 

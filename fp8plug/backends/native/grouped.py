@@ -169,17 +169,33 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv
     """torch._scaled_grouped_mm on a GPU; on the CPU its emulation (same operands, same result in
     float32 arithmetic, then `out_dtype`). 2-D x 3-D: a [M, K], b [E, K, N] -> [M, N]; 2-D x 2-D:
     a [N, P], b [P, K] grouped over P -> [E, N, K]."""
+    out_dtype = out_dtype if emulates(a.device) else torch.bfloat16  # the kernel writes bf16 only
+    return _grouped_mm(a, b, inv_a, inv_b, offs, out_dtype, fast_accum)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its last two dimensions column-major (the kernel's second operand), copied only if not."""
+    flipped = t.transpose(-2, -1)
+    return t if flipped.is_contiguous() else flipped.contiguous().transpose(-2, -1)
+
+
+@torch.library.custom_op("fp8plug::scaled_grouped_mm", mutates_args=())
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, offs: torch.Tensor,
+                out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """The grouped GEMM as one operator that torch.compile calls as it is. Why: inductor otherwise
+    lowers torch._scaled_grouped_mm to its own template and picks the operands' strides itself;
+    compiled Mixtral and Qwen3-MoE steps then gave expert weight gradients unrelated to eager ones
+    (0 dB). Inside, the operands are put in the layouts the kernel documents (first row-major,
+    second column-major), a no-op for what the casts above produce."""
     if not emulates(a.device):
-        return torch._scaled_grouped_mm(a, b, inv_a, inv_b, offs=offs, out_dtype=torch.bfloat16,
-                                        use_fast_accum=fast_accum)
+        return torch._scaled_grouped_mm(a.contiguous(), _column_major(b), inv_a.contiguous(), inv_b.contiguous(),
+                                        offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     return _emulated_grouped_mm(a, b, inv_a, inv_b, offs, out_dtype)
 
 
-@torch.library.custom_op("fp8plug::emulated_scaled_grouped_mm", mutates_args=())
 def _emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """What the kernel computes, group by group: FP8 read exactly, scales applied, float32 GEMMs.
-    One operator, so torch.compile calls it as it is (as the dense emulation, backends.gemm)."""
+    """What the kernel computes, group by group: FP8 read exactly, scales applied, float32 GEMMs."""
     ends = offs.tolist()
     if b.dim() == 3:  # a [M, K] rows grouped; b [E, K, N] with scales [M] and [E, N]
         a32 = fp8_to_float(a) * inv_a[:, None]
@@ -203,8 +219,8 @@ def _emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, 
     return out.to(out_dtype)
 
 
-@_emulated_grouped_mm.register_fake
-def _(a, b, inv_a, inv_b, offs, out_dtype):
+@_grouped_mm.register_fake
+def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
     if b.dim() == 3:
         return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=out_dtype)
