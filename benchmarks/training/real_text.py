@@ -9,7 +9,7 @@ corpus's fingerprint (files, bytes, a hash of the file list) is recorded: anothe
 packages give another corpus.
 
 A transformers LlamaForCausalLM (~160M parameters: hidden 768, 12 layers, 12 heads, FFN 3072,
-vocab 32000, sequence 1024, batch 8: 8k tokens a step, 25M tokens in 3000 steps) is trained from
+vocab 32000, sequence 1024, batch 4: 4k tokens a step, 12M tokens in 3000 steps) is trained from
 the same initial weights on the same batches in every row: AdamW (0.9, 0.95, weight decay 0.1),
 warm-up then cosine, gradients clipped at 1.0, bf16 autocast through the Accelerator,
 `torch.compile(model)` after prepare (--no-compile: eager). Every --eval-every steps the loss on a
@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
 
 ROWS = ("bf16", "fp8plug-default", "fp8plug-rowwise", "fp8plug-blockwise", "te-delayed", "accelerate-ao")
 SUFFIXES = (".py", ".md", ".rst", ".txt")
-FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=8, vocab=32000, budget_mb=100,
-            tokenizer_mb=12, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
+FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=4, vocab=32000, budget_mb=40,
+            tokenizer_mb=8, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
 TINY = dict(hidden=64, layers=2, heads=4, ffn=128, seq=64, batch=4, vocab=512, budget_mb=2, tokenizer_mb=1,
             steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3)
 SPIKE_WINDOW, SPIKE_RATIO = 50, 1.10
