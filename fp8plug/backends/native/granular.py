@@ -182,6 +182,7 @@ def _blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     in bf16 as torchao asks of it. One operator torch.compile calls as it is: dynamo in torch
     2.11 cannot trace `torch._scaled_mm_v2`, which F.scaled_mm calls."""
     kinds = F.ScalingType
+    a, b = a.contiguous(), b.contiguous()  # row-major whatever strides the compiler gave (a no-op eagerly)
     sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major
     if b_square:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
         nb, kb = b_inv.shape
@@ -295,9 +296,22 @@ def granular_linear(x2: torch.Tensor, weight: torch.Tensor, scaling: str, out_dt
     return _GranularLinear.apply(x2, weight, GranularConfig(scaling, out_dtype, tuple(override)))
 
 
+# Blockwise under torch.compile on CUDA is refused until a GPU check passes: a compiled 160M Llama
+# trained with it on an H100 never left its initial loss (benchmarks/training/real_text.py), while
+# eager blockwise trains (tests/gpu/test_granular_scaling.py). True lets it run (what the GPU test
+# sets, to check a fix).
+COMPILED_CUDA_BLOCKWISE = False
+
+
 def granular_forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A NativeFP8Linear's FP8 forward with its granular scaling (`layer.granular`), on x's
     tokens already padded (backends.padding, to `token_multiple`)."""
+    if (layer.granular == "blockwise" and x.is_cuda and torch.compiler.is_compiling()
+            and not COMPILED_CUDA_BLOCKWISE):
+        raise RuntimeError(
+            "fp8plug: scaling='blockwise' under torch.compile on CUDA is disabled: a compiled model trained with it "
+            "did not learn on an H100 (docs/numerics.md). Train it without torch.compile, or use the default "
+            "per-tensor scaling when compiling.")
     x2 = x.reshape(-1, x.shape[-1])
     out = granular_linear(x2, layer.weight, layer.granular, out_dtype, layer.override_linear_precision)
     if layer.bias is not None:
