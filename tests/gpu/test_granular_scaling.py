@@ -116,13 +116,24 @@ def test_a_compiled_native_layer_matches_eager(word):
     assert sqnr_db(compiled.float(), eager.float()) > 40
 
 
-def test_compiled_blockwise_is_refused_naming_what_to_do():
+def test_compiled_blockwise_layers_run_eagerly_for_now():
+    """Under torch.compile on CUDA a blockwise layer runs its eager path (granular.COMPILED_CUDA_BLOCKWISE
+    off): the output and both gradients are the eager ones, bit for bit."""
     needs("blockwise")
     from fp8plug.backends.native.engine import NativeFP8Linear
 
-    layer = NativeFP8Linear(256, 256, scaling="blockwise", device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(Exception, match="blockwise.*torch.compile"):
-        torch.compile(layer)(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16))
+    torch.manual_seed(4)
+    layer = NativeFP8Linear(256, 512, bias=False, scaling="blockwise", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for runner in (layer, torch.compile(layer)):
+        layer.weight.grad = None
+        xi = x.clone().requires_grad_()
+        out = runner(xi)
+        out.float().square().sum().backward()
+        results.append((out, xi.grad, layer.weight.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
 
 
 @pytest.mark.parametrize("word", granular.GRANULAR)
