@@ -50,18 +50,18 @@ class Stack(nn.Module):
 
 
 class CountingBackend:
-    """aot_eager, counting the graphs dynamo hands it and every call of each."""
+    """A torch.compile backend (`inner`: aot_eager, inductor) counting the graphs dynamo hands it
+    and every call of each."""
 
-    def __init__(self):
+    def __init__(self, inner="aot_eager"):
+        self.inner = torch._dynamo.lookup_backend(inner)
         self.graphs, self.calls = 0, []
 
     def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.debugging import aot_eager
-
         index = self.graphs
         self.graphs += 1
         self.calls.append(0)
-        compiled = aot_eager(gm, example_inputs)
+        compiled = self.inner(gm, example_inputs)
 
         def run(*args):
             self.calls[index] += 1
@@ -69,25 +69,25 @@ class CountingBackend:
         return run
 
 
-def train(compiled: bool, steps=7, interval=2):
+def train(compiled: bool, steps=7, interval=2, engine="native", device="cpu", inner="aot_eager"):
     """`steps` AdamW steps of Stack under fp8plug with the watch every `interval` steps; per step,
     the checks' dicts and (compiled) the graphs that ran and the graph breaks seen."""
     fresh()
     torch._dynamo.reset()
-    accelerator = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[
-        FP8RecipeKwargs(backend="native", numerics_watch_interval=interval)])
+    accelerator = fp8plug.Accelerator(cpu=device == "cpu", mixed_precision="fp8", kwargs_handlers=[
+        FP8RecipeKwargs(backend=engine, numerics_watch_interval=interval)])
     torch.manual_seed(0)
     model = Stack()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    backend = CountingBackend()
+    backend = CountingBackend(inner)
     run = torch.compile(model, backend=backend) if compiled else model
     gen = torch.Generator().manual_seed(1)
     breaks = torch._dynamo.utils.counters["graph_break"]
     checks, ran, broke = [], [], []
     for _ in range(steps):
         before, breaks_before = list(backend.calls), sum(breaks.values())
-        x = torch.randn(32, 64, generator=gen)
-        accelerator.backward(run(x).square().mean())
+        x = torch.randn(32, 64, generator=gen).to(accelerator.device)
+        accelerator.backward(run(x).float().square().mean())
         optimizer.step()
         optimizer.zero_grad()
         checks.append(accelerator.fp8_numerics())
@@ -97,8 +97,9 @@ def train(compiled: bool, steps=7, interval=2):
     return checks, ran, broke, backend.graphs, layers
 
 
-def test_compiled_watch_keeps_the_ordinary_steps_graph():
-    checks, ran, broke, graphs, layers = train(compiled=True)
+def check_graphs(checks, ran, broke, graphs):
+    """The watch steps are the 2nd, 4th, 6th; no graph break; the armed graph compiled once; the
+    ordinary steps run the first step's graphs throughout."""
     watched = [bool(c) for c in checks]
     assert watched == [False, True, False, True, False, True, False]
     # no graph break anywhere; one graph more for the whole run than the first step compiled (the
@@ -109,6 +110,11 @@ def test_compiled_watch_keeps_the_ordinary_steps_graph():
     assert len(armed - ordinary) == 1 and len(ordinary - armed) == 1
     # every ordinary step runs the graphs the first one ran, every watch step the same armed ones
     assert ran == [armed if w else ordinary for w in watched]
+
+
+def test_compiled_watch_keeps_the_ordinary_steps_graph():
+    checks, ran, broke, graphs, layers = train(compiled=True)
+    check_graphs(checks, ran, broke, graphs)
     # every layer reported, finite SQNRs, and the same numbers as the eager watch's
     eager_checks, _, _, _, eager_layers = train(compiled=False)
     assert layers == eager_layers and len(layers) == 7
