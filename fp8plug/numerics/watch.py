@@ -4,11 +4,13 @@ Why: a layer whose activations grow outliers, or whose delayed scale lags its te
 precision silently; the loss shows it thousands of steps later. So, on a watch step only, every
 converted Linear's forward hook reads its input and weight and puts a tensor hook on its output
 (the gradient arriving at it); on other steps the hook returns at once (compiled: it is not in
-the graph at all, see `arm`). Each operand is re-quantized as the layer's scaling implies
-(fp8plug.numerics.emulate: the engine's own scale where it offers `operand_scales`, else the
-current amax's) to measure its amax, the fraction flushed to zero and the fraction saturated, and
-a sample of rows (`SAMPLE_ROWS`) is multiplied both ways, in FP8 emulation and in float32, for the
-SQNR of the forward GEMM and of the input-gradient GEMM.
+the graph at all, see `arm`; on a watch step two opaque custom ops do the hook's work inside the
+graph, fp8plug.numerics.tap, so that watching costs no graph break). Each operand is
+re-quantized as the layer's scaling implies (fp8plug.numerics.emulate: the engine's own scale
+where it offers `operand_scales`, else the current amax's) to measure its amax, the fraction
+flushed to zero and the fraction saturated, and a sample of rows (`SAMPLE_ROWS`) is multiplied
+both ways, in FP8 emulation and in float32, for the SQNR of the forward GEMM and of the
+input-gradient GEMM.
 
 One check gives a flat dict {"fp8/<layer>/<operand>/<stat>": float, "fp8/<layer>/sqnr_db": ...}
 (what `accelerator.log` sends to any tracker), one INFO line naming the worst layers, and the
@@ -33,7 +35,7 @@ from torch import nn
 from fp8plug.backends import steps
 from fp8plug.backends.base import offers
 from fp8plug.coverage import is_main_process
-from fp8plug.numerics import emulate
+from fp8plug.numerics import emulate, tap
 from fp8plug.numerics.guard import NumericsGuard
 
 logger = logging.getLogger("fp8plug")
@@ -56,7 +58,8 @@ class _GatedHook:
 
     def __call__(self, module, args, output):
         if self.watch.armed:
-            self.watch._observe(self.fqn, module, args, output)
+            return self.watch._on_forward(self.fqn, module, args, output)
+        return None
 
 
 class NumericsWatch:
@@ -82,6 +85,8 @@ class NumericsWatch:
         self.handles: List = []  # (module, hook handle)
         self.armed = False
         self.records: Dict[str, Dict[str, float]] = {}
+        self._scales: Dict[str, dict] = {}  # per layer watched this step: the scales its forward cast with
+        self._token = tap.register(self)
         self.latest: Dict[str, float] = {}
         self._unread = False
         self._warned_empty = False
@@ -112,7 +117,8 @@ class NumericsWatch:
     # torch.compile traces the hooks a module has when it compiles and never sees one added later,
     # so a model compiled after prepare would never be watched. Compiled, the flag is a guard of
     # the graph: the steps between checks run a graph without the hook at all, a watch step
-    # another one (compiled once), whose statistics run eagerly (`_observe` is not traced).
+    # another one (compiled once), whose statistics run eagerly inside two opaque custom ops
+    # (fp8plug.numerics.tap), not in a graph break, which would cost every later step its graph.
     def hook_layers(self) -> None:
         """Hook every converted Linear not hooked yet (at conversion, before anyone compiles)."""
         hooked = {id(module) for module, _ in self.handles}
@@ -122,7 +128,7 @@ class NumericsWatch:
 
     def arm(self) -> None:
         """Watch the coming step."""
-        self.records = {}
+        self.records, self._scales = {}, {}
         self.hook_layers()  # a layer the guard moved to another FP8 scaling is a new module
         self.armed = True
 
@@ -135,30 +141,62 @@ class NumericsWatch:
             handle.remove()
         self.handles = []
 
+    def _on_forward(self, fqn: str, module: nn.Module, args, output):
+        """An armed hook's work: compiled, the taps (the output replaced by the tap's copy); eager,
+        or with operands the taps cannot take, `_observe`."""
+        if torch.compiler.is_compiling() and tap.fits(args, output):
+            if not module.training:
+                return None
+            return tap.numerics_tap(output, args[0], self._token, fqn)
+        self._observe(fqn, module, args, output)
+        return None
+
     @torch.compiler.disable
     def _observe(self, fqn: str, module: nn.Module, args, output) -> None:
-        if fqn in self.records or not module.training or not args or not isinstance(args[0], torch.Tensor):
+        if not args or not isinstance(args[0], torch.Tensor):
             return
-        x = args[0]
+        if self._measure_forward(fqn, module, args[0]) and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._grad_hook(fqn, module))
+
+    def _grad_hook(self, fqn: str, module: nn.Module):
+        def hook(grad):
+            self._measure_grad(fqn, module, grad)
+        return hook
+
+    def record_forward(self, fqn: str, x: torch.Tensor) -> None:
+        """Layer `fqn`'s forward ran with input `x` (fp8plug.numerics.tap, compiled)."""
+        model = self.model
+        if self.armed and model is not None:
+            self._measure_forward(fqn, model.get_submodule(fqn), x)
+
+    def record_grad(self, fqn: str, grad: torch.Tensor) -> None:
+        """The gradient at layer `fqn`'s output (fp8plug.numerics.tap, compiled)."""
+        model = self.model
+        if model is not None and fqn in self._scales and "dgrad_sqnr_db" not in self.records.get(fqn, {}):
+            self._measure_grad(fqn, model.get_submodule(fqn), grad)
+
+    def _measure_forward(self, fqn: str, module: nn.Module, x: torch.Tensor) -> bool:
+        """The forward statistics of `fqn`'s first call this step; whether it was measured."""
+        if fqn in self.records or not module.training:
+            return False
         if offers(self.engine, "runs_fp8") and not self.engine.runs_fp8(module, x):
-            return
+            return False
         try:
             scales = self.engine.operand_scales(module) if offers(self.engine, "operand_scales") else {}
             with torch.no_grad():
                 self.records[fqn] = self._forward_stats(module, x, scales)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._grad_hook(fqn, module, scales))
+            self._scales[fqn] = scales
+            return True
         except Exception as exc:  # noqa: BLE001 - the watch must never stop a training run
             self._skip(fqn, exc)
+            return False
 
-    def _grad_hook(self, fqn: str, module: nn.Module, scales: dict):
-        def hook(grad):
-            try:
-                with torch.no_grad():
-                    self.records.setdefault(fqn, {}).update(self._grad_stats(module, grad, scales))
-            except Exception as exc:  # noqa: BLE001
-                self._skip(fqn, exc)
-        return hook
+    def _measure_grad(self, fqn: str, module: nn.Module, grad: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                self.records.setdefault(fqn, {}).update(self._grad_stats(module, grad, self._scales.get(fqn, {})))
+        except Exception as exc:  # noqa: BLE001
+            self._skip(fqn, exc)
 
     def _skip(self, fqn: str, exc: Exception) -> None:
         if fqn not in self._warned_errors:
@@ -208,7 +246,7 @@ class NumericsWatch:
             self.arm()
 
     def _finish(self) -> None:
-        records, self.records = self.records, {}
+        records, self.records, self._scales = self.records, {}, {}
         if not records:
             if not self._warned_empty:
                 self._warned_empty = True
