@@ -372,3 +372,21 @@ def original_experts_forward(module):
     """The experts class's own forward beneath `@use_experts_implementation`, or None for a module
     not decorated with it."""
     return getattr(type(module).forward, "__wrapped__", None)
+
+
+# --- transformers: the names save_pretrained writes ------------------------------------------------
+# transformers 5 renames, merges and splits weights between a model's parameters and its checkpoint
+# through per-model conversion mappings (Mixtral's experts: `experts.{e}.w1/w2/w3` on disk, 3-D
+# `gate_up_proj`/`down_proj` in the model); `save_pretrained` runs
+# `transformers.core_model_loading.revert_weight_conversion(model, state_dict)` to go back. Checked:
+# 5.17.0 (exists; Mixtral's w2 comes back in a layout fp8plug's export does not read, so experts stay
+# high precision there) and 5.24.0; absent in releases without conversion mappings, where the
+# model's own names are the checkpoint's.
+def checkpoint_state_names(model, state: dict) -> dict:
+    """`state` (model names -> tensors) under the names save_pretrained writes."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict(state)
+    return dict(revert_weight_conversion(model, dict(state)))
+

@@ -40,6 +40,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from fp8plug import _upstream
 from fp8plug.checkpoints import export_formats as formats
 from fp8plug.hf.experts import experts_modules, is_transposed
 
@@ -138,11 +139,7 @@ def _decode(value: torch.Tensor, origin: Dict[str, Tuple[int, int]]) -> Optional
 
 def _revert(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """transformers' save-time conversion of `state` (model names -> checkpoint names)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # a transformers without conversion mappings saves the model's own names
-        return dict(state)
-    return dict(revert_weight_conversion(model, dict(state)))
+    return _upstream.checkpoint_state_names(model, state)
 
 
 def checkpoint_name(model: nn.Module, key: str, cache: Optional[Dict[str, str]] = None) -> str:
