@@ -122,11 +122,10 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     linears = _linears(inner)
     report = FP8CheckpointReport(os.fspath(directory), layout)
     report.kept = _kept(inner, linears, state, ignore)
-    experts = export_experts.plan(inner, ignore)  # MoE experts: FP8 per expert, save_pretrained's names
-    report.kept.update(experts.kept)
-    report.experts = experts.fp8
     report.quantized = [name for name in linears if name not in report.kept]
-    tensors = export_experts.checkpoint_tensors(inner, _tensors(state, report.quantized, layout), experts, layout)
+    # MoE experts: FP8 per expert; every tensor under save_pretrained's names
+    tensors, experts = export_experts.add_to_checkpoint(inner, report, _tensors(state, report.quantized, layout),
+                                                        layout, ignore)
     if layout == "block":
         refused = formats.block_warnings({n: linears[n] for n in report.quantized})
         refused += export_experts.block_warnings(inner, experts)

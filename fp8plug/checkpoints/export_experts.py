@@ -193,6 +193,17 @@ def checkpoint_tensors(model: nn.Module, tensors: Dict[str, torch.Tensor], exper
     return out
 
 
+def add_to_checkpoint(model: nn.Module, report, tensors: Dict[str, torch.Tensor], layout: str,
+                      ignore: Iterable[str] = ()) -> Tuple[Dict[str, torch.Tensor], ExpertsPlan]:
+    """What both FP8 writers (save_fp8_checkpoint, merge_and_export) do for experts: plan them,
+    record in `report` which are stored in FP8 (`experts`) and which kept and why (`kept`), and
+    return `tensors` under the checkpoint's names with the experts per expert, and the plan."""
+    experts = plan(model, ignore)
+    report.kept.update(experts.kept)
+    report.experts = experts.fp8
+    return checkpoint_tensors(model, tensors, experts, layout), experts
+
+
 def expert_rows(param: torch.Tensor, slot: Slot) -> torch.Tensor:
     rows = param.shape[1] // slot.parts
     return param[slot.expert, slot.part * rows:(slot.part + 1) * rows]

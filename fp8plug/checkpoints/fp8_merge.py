@@ -82,10 +82,8 @@ def merge_and_export(model: nn.Module, directory, *, layout: str = "block",
         tensors[name] = value.cpu()
     for stem, why in _kept_linears(inner, frozen).items():
         report.kept.setdefault(stem, why)
-    experts = export_experts.plan(inner)  # MoE experts (high precision in memory): FP8 per expert, as the source
-    report.kept.update(experts.kept)
-    report.experts = experts.fp8
-    tensors = export_experts.checkpoint_tensors(inner, tensors, experts, layout)
+    # MoE experts (high precision in memory): FP8 per expert, as the source
+    tensors, _ = export_experts.add_to_checkpoint(inner, report, tensors, layout)
     entry = formats.model_config(inner)
     entry["dtype"] = str(next(m.compute_dtype for m in frozen.values())).rpartition(".")[2]
     entry["quantization_config"] = formats.quantization_config(

@@ -32,11 +32,14 @@ def tensor_parallel_size(accelerator, model: nn.Module) -> Optional[int]:
         return size
     from torch.distributed.tensor import DTensor
 
+    # FSDP2's shards are DTensors too; fully_shard gives a module a class of its own ("FSDP...")
+    def fsdp(m: nn.Module) -> bool:
+        return type(m).__name__.startswith("FSDP")
+
+    model_sharded = fsdp(model)
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        # FSDP2's shards are DTensors too; fully_shard gives a module a class of its own ("FSDP...")
-        sharded_by_fsdp = any(type(m).__name__.startswith("FSDP") for m in (module, model))
-        if isinstance(module, nn.Linear) and isinstance(weight, DTensor) and not sharded_by_fsdp:
+        if isinstance(module, nn.Linear) and isinstance(weight, DTensor) and not (model_sharded or fsdp(module)):
             mesh = weight.device_mesh
             return int(mesh.size()) if mesh.size() > 1 else None
     return None

@@ -17,17 +17,9 @@ from fp8plug import FP8RecipeKwargs, convert_model, fp8_coverage
 from fp8plug.numerics import emulate
 from fp8plug.numerics.guard import NumericsGuard
 from fp8plug.numerics.watch import flat_stats, numerics_stats, summary_line, watch_of
+from tests.support.threads import one_thread  # noqa: F401 - autouse: one torch thread
 
 E4M3, E5M2 = emulate.E4M3, emulate.E5M2
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread, or the threads' contention costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- the statistics ------------------------------------------------------------------------------------

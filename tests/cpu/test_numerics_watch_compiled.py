@@ -15,14 +15,7 @@ import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.numerics.watch import watch_of
 from tests.support.hf import fresh
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.support.threads import one_thread  # noqa: F401 - autouse: one torch thread
 
 
 class Block(nn.Module):

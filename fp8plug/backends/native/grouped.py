@@ -182,11 +182,12 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fp8plug::scaled_grouped_mm", mutates_args=())
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, offs: torch.Tensor,
                 out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """The grouped GEMM as one operator that torch.compile calls as it is. Why: inductor otherwise
-    lowers torch._scaled_grouped_mm to its own template and picks the operands' strides itself;
-    compiled Mixtral and Qwen3-MoE steps then gave expert weight gradients unrelated to eager ones
-    (0 dB). Inside, the operands are put in the layouts the kernel documents (first row-major,
-    second column-major), a no-op for what the casts above produce."""
+    """The grouped GEMM as one operator that torch.compile calls as it is: inductor otherwise
+    lowers torch._scaled_grouped_mm to its own template and picks the operands' strides itself.
+    Inside, the operands are put in the layouts the kernel documents (first row-major, second
+    column-major), a no-op for what the casts above produce. Made while chasing compiled expert
+    weight gradients unrelated to eager ones on an H100 (0 dB); it did not cure the compiled tiny
+    Mixtral's training, so that bug lies elsewhere (hf.experts.COMPILED_CUDA_FP8)."""
     if not emulates(a.device):
         return torch._scaled_grouped_mm(a.contiguous(), _column_major(b), inv_a.contiguous(), inv_b.contiguous(),
                                         offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
