@@ -51,10 +51,20 @@ def _emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_scale_a: torch.Ten
     """The emulation, as one operator that torch.compile calls as it is (as it calls
     `_scaled_mm`) rather than tracing into: torch 2.11's inductor, fusing the FP8 reads into the
     casts that made the operands, gave zero gradients on the CPU (seen on the H100 host's Xeon)."""
-    out = torch.mm(fp8_to_float(a) * inv_scale_a, fp8_to_float(b) * inv_scale_b)
-    if bias is not None:
-        out = out + bias.float()
+    with float32_gemm():
+        out = torch.mm(fp8_to_float(a) * inv_scale_a, fp8_to_float(b) * inv_scale_b)
+        if bias is not None:
+            out = out + bias.float()
     return out.to(out_dtype)
+
+
+def float32_gemm():
+    """The emulations' float32 GEMM kept in float32 under CPU autocast. Why: an emulation is a
+    custom op, and eagerly the ops inside it still see autocast (bf16 on the CPU under mixed
+    precision "fp8"), while a compiled graph calls it with autocast off; eager and compiled then
+    ran different GEMMs (bf16 and float32) and their gradients agreed only to ~20 dB in a tiny
+    MoE model. What `_scaled_mm` computes is float32 accumulation either way."""
+    return torch.autocast("cpu", enabled=False)
 
 
 @_emulated_scaled_mm.register_fake

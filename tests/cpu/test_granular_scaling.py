@@ -310,13 +310,15 @@ def test_a_compiled_blockwise_layer_matches_eager_on_the_cpu():
     assert torch.equal(out, layer(x)) and torch.equal(x.grad, eager[0]) and torch.equal(layer.weight.grad, eager[1])
 
 
-def test_the_compiled_gradient_diagnosis_runs_on_the_cpu():
-    """benchmarks/diagnose/compiled_granular_grads.py, the GPU check of granular.COMPILED_CUDA_GRANULAR,
+def test_the_compiled_gradient_diagnosis_runs_on_the_cpu(tmp_path):
+    """benchmarks/diagnose/compiled_fp8_grads.py, the GPU check of granular.COMPILED_CUDA_GRANULAR,
     in its CPU smoke: the CPU's compiled rowwise gradients are the eager ones."""
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "benchmarks/diagnose/compiled_granular_grads.py"), "rowwise",
-                           "--device", "cpu", "--backend", "aot_eager"], capture_output=True, text=True, cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    out = tmp_path / "grads.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks/diagnose/compiled_fp8_grads.py"), "--device", "cpu",
+                           "--cases", "dense-rowwise", "--variants", "aot_eager", "--json", str(out)],
+                          capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["input_grad_db"] > 100 and result["weight_grad_db"] > 100, result
+    (row,) = json.loads(out.read_text())["rows"]
+    assert all(db > 100 for db in row["result"]["aot_eager"]["vs eager"].values()), row

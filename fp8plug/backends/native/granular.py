@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from fp8plug.backends.gemm import emulates, fp8_to_float
+from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
 from fp8plug.backends.native.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
 
 logger = logging.getLogger("fp8plug")
@@ -207,7 +207,8 @@ def _emulated_granular_mm(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b: 
                           b_kind: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The emulation, one operator that torch.compile calls as it is (as backends.gemm's): torch
     2.13's CPU inductor failed to generate code for the tile-wise dequantisation traced into it."""
-    return torch.mm(dequantize(a, a_inv, a_kind), dequantize(b, b_inv, b_kind).t()).to(out_dtype)
+    with float32_gemm():
+        return torch.mm(dequantize(a, a_inv, a_kind), dequantize(b, b_inv, b_kind).t()).to(out_dtype)
 
 
 @_emulated_granular_mm.register_fake

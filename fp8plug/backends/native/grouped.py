@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from fp8plug.backends.gemm import emulates, fp8_to_float
+from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
 from fp8plug.backends.native import grouped_cast
 from fp8plug.backends.native.grouped_cast import (  # the casts' constants, written once there
     AMAX_FLOOR,  # an all-zero row (padding) gets a finite scale
@@ -197,6 +197,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: to
 def _emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """What the kernel computes, group by group: FP8 read exactly, scales applied, float32 GEMMs."""
+    with float32_gemm():
+        return _emulated_grouped_mm_float32(a, b, inv_a, inv_b, offs, out_dtype)
+
+
+def _emulated_grouped_mm_float32(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+                                 offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     ends = offs.tolist()
     if b.dim() == 3:  # a [M, K] rows grouped; b [E, K, N] with scales [M] and [E, N]
         a32 = fp8_to_float(a) * inv_a[:, None]
