@@ -52,15 +52,16 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
 
 import torch  # noqa: E402
 
+from fp8plug.numerics.emulate import sqnr_db  # noqa: E402
+
 CASES = ["casts", "dense-blockwise", "dense-rowwise", "dense-tensor", "grouped", "grouped-transposed",
          "model-llama-blockwise", "model-mixtral", "model-qwen3_moe"]
 VARIANTS = ["aot_eager", "aot_eager_decomp_partition", "inductor", "inductor-opaque-casts"]
 
 
 def sqnr(actual, reference) -> float:
-    reference = reference.double()
-    noise = (actual.double() - reference).norm()
-    return float("inf") if noise == 0 else float(20 * torch.log10(reference.norm() / noise))
+    """The watch's SQNR (fp8plug.numerics.emulate.sqnr_db), with this file's argument order."""
+    return sqnr_db(reference, actual)
 
 
 def guarded(out: dict, key: str, fn):
