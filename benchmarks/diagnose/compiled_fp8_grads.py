@@ -2,9 +2,10 @@
 
 Why: on an H100 a compiled blockwise Llama never learned and compiled FP8 MoE experts gave a
 down_proj gradient at 0 dB against eager; on an H200 one compiled rowwise or blockwise layer's
-gradients were exactly zero, under aot_eager as under inductor (granular.COMPILED_CUDA_GRANULAR and
-hf.experts.COMPILED_CUDA_FP8 hold them back), while the CPU's compiled graphs give eager's bytes
-(tests/cpu/test_compiled_fp8_grads.py). This localises the GPU's difference. Cases (each in a
+gradients were exactly zero, under aot_eager as under inductor (torch 2.11 tracing their
+autograd.Functions; compiled, they are operators now: backends/native/compiled_ops.py), while the
+CPU's compiled graphs give eager's bytes (tests/cpu/test_compiled_fp8_grads.py). This checks
+that the GPU's compiled gradients are eager's. Cases (each in a
 process of its own with empty inductor/Triton caches, each comparison in its own try/except):
 
   casts            every cast alone and in the groups one graph fuses, compiled (inductor) vs eager:
@@ -335,11 +336,6 @@ def build_model(name: str, device):
 def run_model(args, device, name) -> dict:
     import fp8plug
     from fp8plug import FP8RecipeKwargs
-    from fp8plug.backends.native import granular
-    from fp8plug.hf import experts as hf_experts
-
-    granular.COMPILED_CUDA_GRANULAR = True
-    hf_experts.COMPILED_CUDA_FP8 = True
     model = build_model(name, device)
     reference = copy.deepcopy(model)
     tokens = args.tokens_per_row

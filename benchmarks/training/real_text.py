@@ -63,9 +63,9 @@ ROWS = ("bf16", "fp8plug-default", "fp8plug-bf16head", "fp8plug-rowwise", "fp8pl
         "accelerate-ao")
 SUFFIXES = (".py", ".md", ".rst", ".txt")
 FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=4, vocab=32000, budget_mb=40,
-            tokenizer_mb=8, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4)
+            tokenizer_mb=8, steps=3000, eval_every=250, eval_batches=20, warmup=200, lr=6e-4, seed=0)
 TINY = dict(hidden=64, layers=2, heads=4, ffn=128, seq=64, batch=4, vocab=512, budget_mb=2, tokenizer_mb=1,
-            steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3)
+            steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3, seed=0)
 SPIKE_WINDOW, SPIKE_RATIO = 50, 1.10
 
 
@@ -197,7 +197,7 @@ def run_row(row: str, args, spec: dict, deadline: float) -> dict:
     accelerator = accelerator_for(row, args.watch_interval)
     device = accelerator.device
     result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    torch.manual_seed(0)
+    torch.manual_seed(spec["seed"])
     config = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["ffn"],
                          num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                          num_key_value_heads=spec["heads"], max_position_embeddings=spec["seq"],
@@ -220,7 +220,7 @@ def run_row(row: str, args, spec: dict, deadline: float) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if args.compile:
         model = torch.compile(model)
-    train = batches(cache, "train", steps, spec, seed=1)
+    train = batches(cache, "train", steps, spec, seed=1 + 7919 * spec["seed"])
     evals = [b.to(device) for b in batches(cache, "heldout", spec["eval_batches"], spec, seed=2)]
 
     def evaluate():
@@ -407,6 +407,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--budget-mb", type=int, help="bytes of text read from site-packages")
+    p.add_argument("--seed", type=int, help="the initial weights' and the training batches' seed (default 0); "
+                   "the held-out batches stay the same")
     p.add_argument("--out-dir", default="real_text_out")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "fp8plug_real_text"))
     p.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole run (rows stop early)")
@@ -432,7 +434,7 @@ def main(argv=None) -> int:
         print(table(results))
         return 0
     spec = dict(TINY if args.tiny else FULL)
-    for key in ("steps", "eval_every", "batch", "budget_mb"):
+    for key in ("steps", "eval_every", "batch", "budget_mb", "seed"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     if args.tiny:

@@ -22,7 +22,6 @@ region, and expert parallelism run the implementation the model had before, unch
 
 from __future__ import annotations
 
-import logging
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -43,8 +42,6 @@ from fp8plug.hf.attention import transformers_models
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, FP8, HIGH_PRECISION
 from fp8plug.layers.rules import ALIGNMENT, IGNORED, NOT_ELIGIBLE, ConversionReport, ignore_in_ddp, module_paths
 from fp8plug.tuning.roofline import SpeedFilter, predict_ms
-
-logger = logging.getLogger("fp8plug")
 
 FP8PLUG_EXPERTS = "fp8plug_fp8_experts"
 GEMM = "_fp8plug_grouped_gemm"  # experts module attribute: the engine's grouped FP8 GEMM (converted modules only)
@@ -142,26 +139,12 @@ def _count(module: nn.Module, fp8: bool, calls: int = 2) -> None:
     counts.select(0, FP8 if fp8 else HIGH_PRECISION).add_(calls)
 
 
-# Under torch.compile on CUDA the experts run the model's own implementation (high precision), and
-# fp8_coverage counts them so. Why: on an H100 the compiled FP8 experts gave a layer's down_proj
-# weight gradient unrelated to the eager one (0 dB SQNR, tests/gpu/test_moe.py
-# test_compiled_fp8_experts_compute_what_eager_ones_do), and a compiled tiny Mixtral trained to 9x
-# the eager loss; eager FP8 experts and the CPU's compiled ones agree with eager. A wrong gradient
-# is silent, a high-precision expert only slower. True runs them in FP8 compiled (what that GPU
-# test sets, to check a fix).
-COMPILED_CUDA_FP8 = False
-
-
-def _held_back_by_compile(hidden_states: torch.Tensor) -> bool:
-    return hidden_states.is_cuda and torch.compiler.is_compiling() and not COMPILED_CUDA_FP8
-
-
 def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """FP8PLUG_EXPERTS: the grouped experts forward with both projections through the engine's
     grouped FP8 GEMM; the implementation the model had for modules left alone and out of FP8."""
     gemm = getattr(self, GEMM, None)
-    if gemm is None or is_expert_parallel(self) or not fp8_now(self.training) or _held_back_by_compile(hidden_states):
+    if gemm is None or is_expert_parallel(self) or not fp8_now(self.training):
         _count(self, False)
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     _count(self, True)
@@ -250,10 +233,6 @@ def convert_experts(model: nn.Module, engine, plan, report: ConversionReport) ->
         converted.append(fqn)
     if converted:
         _switch(model)
-        if any(module.down_proj.is_cuda for _, module in found) and not COMPILED_CUDA_FP8:
-            logger.info("fp8plug: MoE experts run in FP8 eagerly; under torch.compile on CUDA they run in high "
-                        "precision for now (compiled FP8 expert gradients failed a check against eager ones; "
-                        "docs/moe.md).")
     return converted
 
 

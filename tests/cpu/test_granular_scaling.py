@@ -311,7 +311,7 @@ def test_a_compiled_blockwise_layer_matches_eager_on_the_cpu():
 
 
 def test_the_compiled_gradient_diagnosis_runs_on_the_cpu(tmp_path):
-    """benchmarks/diagnose/compiled_fp8_grads.py, the GPU check of granular.COMPILED_CUDA_GRANULAR,
+    """benchmarks/diagnose/compiled_fp8_grads.py, the GPU check of compiled granular gradients,
     in its CPU smoke: the CPU's compiled rowwise gradients are the eager ones."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "grads.json"

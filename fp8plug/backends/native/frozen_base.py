@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8plug.backends.gemm import scaled_mm, writable_dtype
-from fp8plug.backends.native import fused_cast, shared_input
+from fp8plug.backends.native import compiled_ops, fused_cast, shared_input
 from fp8plug.backends.native.cast import cast_operand
 from fp8plug.backends.native.scaling import E4M3, E5M2
 from fp8plug.backends.padding import pad_tokens, token_count
@@ -37,19 +37,30 @@ from fp8plug.backends.region import fp8_now
 ALIGNMENT = 16  # _scaled_mm's: both widths and the token count (padded) multiples of 16
 
 
+def _frozen_forward(x2: torch.Tensor, source, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    x_fp8, _, x_inv, _ = cast_operand(x2, E4M3, False, None, None, 0, transposed=False, source=source)
+    return scaled_mm(x_fp8, weight.t(), x_inv, weight_scale, out_dtype, use_fast_accum=True)
+
+
+def _frozen_backward(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     dgrad_dtype: torch.dtype) -> torch.Tensor:
+    g_fp8, _, g_inv, _ = cast_operand(grad_out, E5M2, False, None, None, 0, transposed=False)
+    return _input_gradient(g_fp8, g_inv, weight, weight_scale, dgrad_dtype)
+
+
 class _FrozenFP8Matmul(torch.autograd.Function):
-    """y = x @ (fp8 * scale).T with the stored FP8 weight; backward: the input gradient only.
+    """y = x @ (fp8 * scale).T with the stored FP8 weight; backward: the input gradient only. Run
+    eagerly (compiled: the operators below).
 
     Nothing is saved but the weight Parameter and its scale (references, no copies): the input
     needs no FP8 copy, since no weight gradient is computed."""
 
     @staticmethod
     def forward(ctx, x2, source, weight, weight_scale, out_dtype):
-        x_fp8, _, x_inv, _ = cast_operand(x2, E4M3, False, None, None, 0, transposed=False, source=source)
-        out = scaled_mm(x_fp8, weight.t(), x_inv, weight_scale, out_dtype, use_fast_accum=True)
         ctx.save_for_backward(weight, weight_scale)
         ctx.dtypes = (x2.dtype, out_dtype)
-        return out
+        return _frozen_forward(x2, source, weight, weight_scale, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -57,11 +68,8 @@ class _FrozenFP8Matmul(torch.autograd.Function):
             return None, None, None, None, None
         weight, weight_scale = ctx.saved_tensors
         x_dtype, out_dtype = ctx.dtypes
-        if not torch.compiler.is_compiling():
-            shared_input.forget()
-        g_fp8, _, g_inv, _ = cast_operand(grad_out, E5M2, False, None, None, 0, transposed=False)
-        dgrad_dtype = out_dtype if torch.compiler.is_compiling() else writable_dtype(x_dtype, out_dtype)
-        grad_x = _input_gradient(g_fp8, g_inv, weight, weight_scale, dgrad_dtype)
+        shared_input.forget()
+        grad_x = _frozen_backward(grad_out, weight, weight_scale, writable_dtype(x_dtype, out_dtype))
         return grad_x.to(x_dtype), None, None, None, None
 
 
@@ -79,6 +87,48 @@ def _input_gradient(g_fp8: torch.Tensor, g_inv: torch.Tensor, weight: torch.Tens
 @_input_gradient.register_fake
 def _(g_fp8, g_inv, weight, weight_scale, out_dtype):
     return g_fp8.new_empty((g_fp8.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+# Compiled: two operators (backends.native.compiled_ops says why: here, so that activation
+# checkpointing recomputes the frozen GEMMs instead of keeping their outputs). The input's cast
+# stays outside, traced, where the compiler fuses it into the norm before it and makes it once
+# for q, k and v; x2 comes in only to carry the gradient (nothing of it is saved).
+@torch.library.custom_op("fp8plug::frozen_fp8_linear", mutates_args=())
+def _frozen_op(x2: torch.Tensor, x_fp8: torch.Tensor, x_inv: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return scaled_mm(x_fp8, weight.t(), x_inv, weight_scale, out_dtype, use_fast_accum=True)
+
+
+@_frozen_op.register_fake
+def _(x2, x_fp8, x_inv, weight, weight_scale, out_dtype):
+    return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8plug::frozen_fp8_linear_backward", mutates_args=())
+def _frozen_op_backward(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        x_dtype: torch.dtype) -> torch.Tensor:
+    return _frozen_backward(grad_out, weight, weight_scale, x_dtype).to(x_dtype)
+
+
+@_frozen_op_backward.register_fake
+def _(grad_out, weight, weight_scale, x_dtype):
+    return grad_out.new_empty((grad_out.shape[0], weight.shape[1]), dtype=x_dtype)
+
+
+def _frozen_op_setup(ctx, inputs, output):
+    x2, _, _, weight, weight_scale, _ = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.x_dtype = x2.dtype
+
+
+def _frozen_op_autograd(ctx, grad_out):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None
+    weight, weight_scale = ctx.saved_tensors
+    return _frozen_op_backward(grad_out.contiguous(), weight, weight_scale, ctx.x_dtype), None, None, None, None, None
+
+
+_frozen_op.register_autograd(_frozen_op_autograd, setup_context=_frozen_op_setup)
 
 
 class FrozenFP8Linear(nn.Linear):
@@ -140,7 +190,11 @@ class FrozenFP8Linear(nn.Linear):
 
     def _fp8_forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        out = _FrozenFP8Matmul.apply(x2, x, self.weight, self.weight_scale, out_dtype)
+        if compiled_ops.compiling():
+            x_fp8, _, x_inv, _ = cast_operand(x2, E4M3, False, None, None, 0, transposed=False)
+            out = _frozen_op(x2, x_fp8, x_inv, self.weight, self.weight_scale, out_dtype)
+        else:
+            out = _FrozenFP8Matmul.apply(x2, x, self.weight, self.weight_scale, out_dtype)
         if self.bias is not None:
             out = out + self.bias.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

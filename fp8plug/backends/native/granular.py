@@ -30,17 +30,16 @@ The GEMMs: `torch._scaled_mm` with [M, 1] x [1, N] float32 scales (rowwise, bf16
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
+from fp8plug.backends.native import compiled_ops
 from fp8plug.backends.native.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
 
-logger = logging.getLogger("fp8plug")
 GRANULAR = ("rowwise", "rowwise_with_gw_hp", "blockwise")
 BLOCK = 128
 ROW, TENSOR, TILE, SQUARE = "row", "tensor", "1x128", "128x128"  # how an operand [rows, K] is scaled
@@ -233,103 +232,184 @@ class GranularConfig:
         return self.override[gemm] or GEMMS[self.scaling][gemm] is None
 
 
+def _fprop_operands(x: torch.Tensor, weight: torch.Tensor, config: GranularConfig, cast=None) -> list:
+    """[x's FP8 cast, its scales, w's, its scales] for the forward GEMM; [] where it runs in high
+    precision. `cast`: cast_tiles or another function computing the same."""
+    cast = cast or cast_tiles
+    if config.high(0):
+        return []
+    (xa, wb), pow2 = GEMMS[config.scaling][0], POWER_OF_TWO[config.scaling]
+    return [*cast(x, xa, pow2), *cast(weight, wb, pow2)]
+
+
+def _fprop_gemm(x: torch.Tensor, weight: torch.Tensor, operands: list, config: GranularConfig) -> torch.Tensor:
+    if config.high(0):
+        return F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
+    (xa, wb) = GEMMS[config.scaling][0]
+    x_fp8, x_inv, w_fp8, w_inv = operands
+    return granular_mm(x_fp8, x_inv, xa, w_fp8, w_inv, wb, config.out_dtype)
+
+
+def _backward_operands(x: torch.Tensor, weight: torch.Tensor, config: GranularConfig, need_x: bool, need_w: bool,
+                       fprop: list, cast=None) -> list:
+    """What backward reads: w.T cast along N (dgrad) and x.T cast along M (wgrad), each with its
+    scales, or the high-precision tensor where that GEMM runs in high precision. A 128x128 block
+    of w is the same block of w.T, so fprop's cast (`fprop`'s last two) is reused where there is one."""
+    cast = cast or cast_tiles
+    gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
+    saved = []
+    if need_x and not config.high(1):  # w.T [K, N] scaled along N
+        kind = gemms[1][1]
+        if kind == SQUARE:
+            w_fp8, w_inv = fprop[2:] if fprop else cast(weight, SQUARE, pow2)
+            saved += [w_fp8.t().contiguous(), w_inv.t().contiguous()]
+        else:
+            saved += list(cast(weight.t(), kind, pow2))
+    if need_w and not config.high(2):  # x.T [K, M] scaled along M
+        saved += list(cast(x.t(), gemms[2][1], pow2))
+    if need_w and config.high(2):
+        saved.append(x)
+    if need_x and config.high(1):
+        saved.append(weight)
+    return saved
+
+
+def _grad_operands(grad_out: torch.Tensor, config: GranularConfig, need_x: bool, need_w: bool, cast=None) -> list:
+    """grad_output cast for dgrad (along N) and, transposed, for wgrad (along M), where those GEMMs run in FP8."""
+    cast = cast or cast_tiles
+    gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
+    out = []
+    if need_x and not config.high(1):
+        out += list(cast(grad_out, gemms[1][0], pow2))
+    if need_w and not config.high(2):
+        out += list(cast(grad_out.t(), gemms[2][0], pow2))
+    return out
+
+
+def _backward_gemms(grad_out: torch.Tensor, grads: list, saved: list, config: GranularConfig, need_x: bool,
+                    need_w: bool, x_dtype: torch.dtype, w_dtype: torch.dtype):
+    """(grad_x or None, grad_w or None) from grad_output, `_grad_operands` and `_backward_operands`."""
+    gemms = GEMMS[config.scaling]
+    saved, grads = list(saved), list(grads)
+    grad_x = grad_w = None
+    if need_x:
+        if config.high(1):
+            weight = saved.pop()
+            grad_x = grad_out.to(config.out_dtype) @ weight.to(config.out_dtype)
+        else:
+            (ga, wb), (g_fp8, g_inv), (w_t, w_t_inv) = gemms[1], grads[:2], saved[:2]
+            grad_x = granular_mm(g_fp8, g_inv, ga, w_t, w_t_inv, wb, config.out_dtype)
+            grads, saved = grads[2:], saved[2:]
+        grad_x = grad_x.to(x_dtype)
+    if need_w:
+        if config.high(2):
+            x = saved.pop()
+            grad_w = grad_out.to(config.out_dtype).t() @ x.to(config.out_dtype)
+        else:
+            (ga, xb), (g_t_fp8, g_t_inv), (x_t, x_t_inv) = gemms[2], grads[:2], saved[:2]
+            grad_w = granular_mm(g_t_fp8, g_t_inv, ga, x_t, x_t_inv, xb, config.out_dtype)
+        grad_w = grad_w.to(w_dtype)
+    return grad_x, grad_w
+
+
 class _GranularLinear(torch.autograd.Function):
-    """y = x @ w.T with per-row or per-tile FP8 scaling in all three GEMMs (module docstring)."""
+    """y = x @ w.T with per-row or per-tile FP8 scaling in all three GEMMs (module docstring), run
+    eagerly: backward's FP8 operands are cast in forward and kept."""
 
     @staticmethod
     def forward(ctx, x, weight, config: GranularConfig):
-        gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
-        if config.high(0):
-            out = F.linear(x.to(config.out_dtype), weight.to(config.out_dtype))
-        else:
-            (xa, wb) = gemms[0]
-            x_fp8, x_inv = cast_tiles(x, xa, pow2)
-            w_fp8, w_inv = cast_tiles(weight, wb, pow2)
-            out = granular_mm(x_fp8, x_inv, xa, w_fp8, w_inv, wb, config.out_dtype)
-        saved = []
-        if ctx.needs_input_grad[0] and not config.high(1):  # w.T [K, N] scaled along N
-            kind = gemms[1][1]
-            if kind == SQUARE and not config.high(0):  # the same blocks, transposed
-                saved += [w_fp8.t().contiguous(), w_inv.t().contiguous()]
-            else:
-                saved += list(cast_tiles(weight.t(), kind, pow2))
-        if ctx.needs_input_grad[1] and not config.high(2):  # x.T [K, M] scaled along M
-            saved += list(cast_tiles(x.t(), gemms[2][1], pow2))
-        high = (x if ctx.needs_input_grad[1] and config.high(2) else None,
-                weight if ctx.needs_input_grad[0] and config.high(1) else None)
-        ctx.save_for_backward(*saved, *(t for t in high if t is not None))
+        fprop = _fprop_operands(x, weight, config)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(*_backward_operands(x, weight, config, need_x, need_w, fprop))
         ctx.config = config
         ctx.dtypes = (x.dtype, weight.dtype)
-        return out
+        return _fprop_gemm(x, weight, fprop, config)
 
     @staticmethod
     def backward(ctx, grad_out):
-        config: GranularConfig = ctx.config
-        gemms, pow2 = GEMMS[config.scaling], POWER_OF_TWO[config.scaling]
-        saved = list(ctx.saved_tensors)
-        x_dtype, w_dtype = ctx.dtypes
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            if config.high(1):
-                weight = saved.pop()
-                grad_x = grad_out.to(config.out_dtype) @ weight.to(config.out_dtype)
-            else:
-                w_t, w_t_inv = saved[0], saved[1]
-                ga, wb = gemms[1]
-                g_fp8, g_inv = cast_tiles(grad_out, ga, pow2)
-                grad_x = granular_mm(g_fp8, g_inv, ga, w_t, w_t_inv, wb, config.out_dtype)
-                saved = saved[2:]
-            grad_x = grad_x.to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            if config.high(2):
-                x = saved.pop()
-                grad_w = grad_out.to(config.out_dtype).t() @ x.to(config.out_dtype)
-            else:
-                x_t, x_t_inv = saved[0], saved[1]
-                ga, xb = gemms[2]
-                g_t_fp8, g_t_inv = cast_tiles(grad_out.t(), ga, pow2)
-                grad_w = granular_mm(g_t_fp8, g_t_inv, ga, x_t, x_t_inv, xb, config.out_dtype)
-            grad_w = grad_w.to(w_dtype)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _grad_operands(grad_out, ctx.config, need_x, need_w)
+        grad_x, grad_w = _backward_gemms(grad_out, grads, ctx.saved_tensors, ctx.config, need_x, need_w, *ctx.dtypes)
         return grad_x, grad_w, None
+
+
+# Compiled: the GEMMs are two operators (backends.native.compiled_ops says why); the casts stay
+# outside them, traced, where the compiler fuses them (forward's in the forward graph, grad_output's
+# in the backward graph, through the autograd formula). On the CPU those casts are one operator each
+# (`_traced_cast`), as cast_tiles makes them under torch.compile.
+def _traced_cast(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    if t.device.type == "cpu":
+        return _cpu_cast_tiles(t.detach(), kind, power_of_two)
+    return _cast_tiles(t, kind, power_of_two)
+
+
+def _config(scaling: str, out_dtype: torch.dtype, override: List[bool]) -> GranularConfig:
+    return GranularConfig(scaling, out_dtype, tuple(override))
+
+
+@torch.library.custom_op("fp8plug::granular_linear", mutates_args=())
+def _granular_op(x: torch.Tensor, weight: torch.Tensor, fprop: List[torch.Tensor], saved: List[torch.Tensor],
+                 scaling: str, out_dtype: torch.dtype, override: List[bool]) -> torch.Tensor:
+    return _fprop_gemm(x, weight, fprop, _config(scaling, out_dtype, override)).contiguous()
+
+
+@_granular_op.register_fake
+def _(x, weight, fprop, saved, scaling, out_dtype, override):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8plug::granular_linear_backward", mutates_args=())
+def _granular_op_backward(grad_out: torch.Tensor, grads: List[torch.Tensor], saved: List[torch.Tensor],
+                          x_shape: List[int], x_dtype: torch.dtype, w_dtype: torch.dtype, scaling: str,
+                          out_dtype: torch.dtype, override: List[bool], need_x: bool,
+                          need_w: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = _backward_gemms(grad_out, grads, saved, _config(scaling, out_dtype, override), need_x, need_w,
+                                     x_dtype, w_dtype)
+    return (compiled_ops.or_absent(grad_x, grad_out.new_empty(0, dtype=x_dtype)),
+            compiled_ops.or_absent(grad_w, grad_out.new_empty(0, dtype=w_dtype)))
+
+
+@_granular_op_backward.register_fake
+def _(grad_out, grads, saved, x_shape, x_dtype, w_dtype, scaling, out_dtype, override, need_x, need_w):
+    return (grad_out.new_empty(tuple(x_shape) if need_x else (0,), dtype=x_dtype),
+            grad_out.new_empty((grad_out.shape[1], x_shape[1]) if need_w else (0,), dtype=w_dtype))
+
+
+def _granular_op_setup(ctx, inputs, output):
+    x, weight, fprop, saved, scaling, out_dtype, override = inputs
+    ctx.save_for_backward(*saved)
+    ctx.lists = (len(fprop), len(saved))  # autograd wants a None per element of the list inputs
+    ctx.args = (scaling, out_dtype, override)
+    ctx.x = (list(x.shape), x.dtype, weight.dtype)
+
+
+def _granular_op_autograd(ctx, grad_out):
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_out = grad_out.contiguous()
+    grads = _grad_operands(grad_out, _config(*ctx.args), need_x, need_w, _traced_cast)
+    grad_x, grad_w = _granular_op_backward(grad_out, grads, list(ctx.saved_tensors), *ctx.x, *ctx.args,
+                                           need_x, need_w)
+    no_grads = [[None] * n for n in ctx.lists]
+    return compiled_ops.or_none(grad_x, need_x), compiled_ops.or_none(grad_w, need_w), *no_grads, None, None, None
+
+
+_granular_op.register_autograd(_granular_op_autograd, setup_context=_granular_op_setup)
 
 
 def granular_linear(x2: torch.Tensor, weight: torch.Tensor, scaling: str, out_dtype: torch.dtype,
                     override: Tuple[bool, bool, bool] = (False, False, False)) -> torch.Tensor:
     """x2 [M, K] @ weight.T with `scaling` (one of GRANULAR) in every GEMM, in `out_dtype`."""
-    return _GranularLinear.apply(x2, weight, GranularConfig(scaling, out_dtype, tuple(override)))
-
-
-# Granular layers run eagerly inside a model compiled on CUDA (a graph break each) until a GPU
-# check passes. On an H200 (torch 2.11), a compiled granular layer's gradients came out exactly zero
-# for rowwise and blockwise alike, with inductor and with aot_eager. That held with the casts made
-# before the autograd Function and with nothing read from ctx.needs_input_grad, while its forward
-# matched eager and the CPU's compiled gradients are exact. A compiled 160M Llama with rowwise or
-# blockwise scaling never left its initial loss (benchmarks/training/real_text.py; docs/numerics.md).
-# True compiles them; the GPU tests set it to check a fix
-# (tests/gpu/test_granular_scaling.py::test_a_compiled_native_layer_has_eager_gradients).
-COMPILED_CUDA_GRANULAR = False
-_said = []
+    config = GranularConfig(scaling, out_dtype, tuple(override))
+    if not compiled_ops.compiling():
+        return _GranularLinear.apply(x2, weight, config)
+    fprop = _fprop_operands(x2, weight, config, _traced_cast)
+    saved = _backward_operands(x2, weight, config, x2.requires_grad, weight.requires_grad, fprop, _traced_cast)
+    return _granular_op(x2, weight, fprop, saved, scaling, out_dtype, list(override))
 
 
 def granular_forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A NativeFP8Linear's FP8 forward with its granular scaling (`layer.granular`), on x's
     tokens already padded (backends.padding, to `token_multiple`)."""
-    if x.is_cuda and torch.compiler.is_compiling() and not COMPILED_CUDA_GRANULAR:
-        return _eager_forward(layer, x, out_dtype)
-    return _forward(layer, x, out_dtype)
-
-
-@torch.compiler.disable
-def _eager_forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    if not _said:
-        _said.append(True)
-        logger.warning("fp8plug: rowwise and blockwise layers run eagerly inside a torch.compile'd model on CUDA for "
-                       "now (compiled, their gradients came out zero on an H200; eager ones are right; "
-                       "docs/numerics.md).")
-    return _forward(layer, x, out_dtype)
-
-
-def _forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     out = granular_linear(x2, layer.weight, layer.granular, out_dtype, layer.override_linear_precision)
     if layer.bias is not None:

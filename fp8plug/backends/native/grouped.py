@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
-from fp8plug.backends.native import grouped_cast
+from fp8plug.backends.native import compiled_ops, grouped_cast
 from fp8plug.backends.native.grouped_cast import (  # the casts' constants, written once there
     AMAX_FLOOR,  # an all-zero row (padding) gets a finite scale
     E4M3,
@@ -236,43 +236,96 @@ def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
 # --- the autograd function ------------------------------------------------------------------------------
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
+             result_dtype: torch.dtype) -> torch.Tensor:
+    layout = group_layout(offs, x.shape[0])
+    w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
+    x_fp8, x_inv = cast_tokens(pad_groups(x, layout))
+    w_fp8, w_inv = cast_weight_forward(w_nk)
+    out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
+    out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
+    return unpad_groups(out, layout).to(result_dtype)
+
+
+def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
+              need_x: bool, need_w: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(grad_x or None, grad_w or None): each GEMM only where its result is needed."""
+    layout = group_layout(offs, x.shape[0])
+    g = pad_groups(grad_out.contiguous(), layout)
+    out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
+    grad_x = grad_w = None
+    if need_x:
+        w_nk = weight.transpose(-2, -1) if transposed else weight
+        g_fp8, g_inv = cast_tokens(g)
+        w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk.transpose(-2, -1))  # [E, K, N], a scale per (expert, k)
+        grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, out_dtype, False)
+        grad_x = unpad_groups(grad_x, layout).to(x.dtype)
+    if need_w:
+        g_t, g_t_inv = cast_weight_grad_operand(g, layout)  # [N, P]
+        x_t, x_t_inv = cast_weight_grad_operand(pad_groups(x, layout), layout)  # [K, P]
+        grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
+        grad_w = (grad_w.transpose(-2, -1) if transposed else grad_w).to(weight.dtype)
+    return grad_x, grad_w
+
+
 class _GroupedFP8Linear(torch.autograd.Function):
-    """out = grouped x @ W_e^T with every GEMM in FP8 (module doc). Saves the high-precision input
-    and weight (as the bf16 grouped GEMM does) and re-pads in backward; the three GEMMs each run
-    only where their result is needed (a frozen expert weight gets no weight-gradient GEMM)."""
+    """out = grouped x @ W_e^T with every GEMM in FP8 (module doc), run eagerly. Saves the
+    high-precision input and weight (as the bf16 grouped GEMM does) and re-pads in backward; the
+    three GEMMs each run only where their result is needed (a frozen expert weight gets no
+    weight-gradient GEMM)."""
 
     @staticmethod
     def forward(ctx, x, weight, offs, transposed: bool, result_dtype: torch.dtype):
-        layout = group_layout(offs, x.shape[0])
-        w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
-        x_fp8, x_inv = cast_tokens(pad_groups(x, layout))
-        w_fp8, w_inv = cast_weight_forward(w_nk)
-        out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
-        out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
         ctx.save_for_backward(x, weight, offs)
         ctx.transposed = transposed
-        return unpad_groups(out, layout).to(result_dtype)
+        return _forward(x, weight, offs, transposed, result_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
-        layout = group_layout(offs, x.shape[0])
-        g = pad_groups(grad_out.contiguous(), layout)
-        out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            w_nk = weight.transpose(-2, -1) if ctx.transposed else weight
-            g_fp8, g_inv = cast_tokens(g)
-            w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk.transpose(-2, -1))  # [E, K, N], a scale per (expert, k)
-            grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs,
-                                       out_dtype, False)
-            grad_x = unpad_groups(grad_x, layout).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            g_t, g_t_inv = cast_weight_grad_operand(g, layout)  # [N, P]
-            x_t, x_t_inv = cast_weight_grad_operand(pad_groups(x, layout), layout)  # [K, P]
-            grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
-            grad_w = (grad_w.transpose(-2, -1) if ctx.transposed else grad_w).to(weight.dtype)
+        grad_x, grad_w = _backward(grad_out, x, weight, offs, ctx.transposed, *ctx.needs_input_grad[:2])
         return grad_x, grad_w, None, None, None
+
+
+# Compiled: two operators (backends.native.compiled_ops says why), the same functions inside.
+@torch.library.custom_op("fp8plug::grouped_fp8_linear", mutates_args=())
+def _grouped_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
+                result_dtype: torch.dtype) -> torch.Tensor:
+    return _forward(x, weight, offs, transposed, result_dtype).contiguous()
+
+
+@_grouped_op.register_fake
+def _(x, weight, offs, transposed, result_dtype):
+    return x.new_empty((x.shape[0], weight.shape[-1] if transposed else weight.shape[-2]), dtype=result_dtype)
+
+
+@torch.library.custom_op("fp8plug::grouped_fp8_linear_backward", mutates_args=())
+def _grouped_op_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                         transposed: bool, need_x: bool, need_w: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = _backward(grad_out, x, weight, offs, transposed, need_x, need_w)
+    return compiled_ops.or_absent(grad_x, x), compiled_ops.or_absent(grad_w, weight)
+
+
+@_grouped_op_backward.register_fake
+def _(grad_out, x, weight, offs, transposed, need_x, need_w):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else compiled_ops.absent(x),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else compiled_ops.absent(weight))
+
+
+def _grouped_op_setup(ctx, inputs, output):
+    x, weight, offs, transposed, _ = inputs
+    ctx.save_for_backward(x, weight, offs)
+    ctx.transposed = transposed
+
+
+def _grouped_op_autograd(ctx, grad_out):
+    x, weight, offs = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = _grouped_op_backward(grad_out.contiguous(), x, weight, offs, ctx.transposed, need_x, need_w)
+    return compiled_ops.or_none(grad_x, need_x), compiled_ops.or_none(grad_w, need_w), None, None, None
+
+
+_grouped_op.register_autograd(_grouped_op_autograd, setup_context=_grouped_op_setup)
 
 
 def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
@@ -282,6 +335,8 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
     dtype where autocast is on (as a Linear's output under autocast), else in x's dtype."""
     autocast = torch.is_autocast_enabled(x.device.type)
     result_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if compiled_ops.compiling():
+        return _grouped_op(x, weight, offs.to(torch.int32), transposed, result_dtype)
     return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed, result_dtype)
 
 

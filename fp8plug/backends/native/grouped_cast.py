@@ -19,8 +19,8 @@ precision is rounded once). tests/cpu/test_moe_casts.py checks the fused casts a
 When: eagerly on CUDA only (`usable`). Under torch.compile(model) grouped.py's torch ops are
 traced as they are and the compiler fuses them into the kernels around them, as with
 fused_cast.py's Linear casts; on a CPU (the emulation) the torch ops run, as they are the
-reference. The weight casts are compiled once per shape (static), the token casts at most twice
-(then with the token count symbolic); one function per role below, so each keeps its own entries
+reference. The weight casts are compiled once per shape (static), the token casts once, with
+the token count symbolic; one function per role below, so each keeps its own entries
 in dynamo's cache.
 
 The forward's weight cast (rowwise along K) and the input gradient's (along N) are made when each
@@ -91,10 +91,12 @@ def _weight_grad_operand(t, group, experts):
     return _groupwise_columns(t, group, experts)
 
 
-# The token operands' row count follows the batch's token count, which changes from batch to batch where
-# sequence lengths vary: compiled for the first count, then once more with that dimension symbolic
-# (dynamo's automatic dynamic shapes) at the second, rather than once per count (seconds each, and
-# past dynamo's cache limit the torch ops again). The weights' shapes never change: static.
+# The token operands' row count follows the routing (each expert's group is padded), so it changes
+# every step: compiled with that dimension symbolic from the start, once (not per count: seconds
+# each, and past dynamo's cache limit an error). Dynamo's automatic dynamic shapes (static first,
+# symbolic at the second count) sufficed eagerly, but not where these run inside the grouped
+# operator of a compiled model (grouped.py): there a compiled tiny Mixtral passed dynamo's 8
+# recompiles of `_tokens` on an H200. The weights' shapes never change: static.
 _TOKEN_ROLES = (_tokens, _weight_grad_operand)
 
 
@@ -106,7 +108,7 @@ def compiled(function: Callable) -> Callable:
     cast that needs it."""
     done = _COMPILED.get(function)
     if done is None:
-        dynamic = None if function in _TOKEN_ROLES else False
+        dynamic = function in _TOKEN_ROLES
         done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=dynamic)
     return done
 
