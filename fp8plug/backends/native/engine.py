@@ -348,7 +348,8 @@ class NativeEngine(Engine):
         if not eligible:
             return ConversionReport(self.name)
         targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
-                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms)
+                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms,
+                                          keep_output_head=plan.keep_output_head)
         for fqn, _ in targets:
             word = word_for(plan.layer_scaling, fqn)
             if word:
