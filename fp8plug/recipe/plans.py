@@ -60,7 +60,10 @@ class Plan:
         (fp8plug.layers.rules.plan_conversion); the filter includes the automatic speed filter where
         it applies.
     keep_output_head: the model's output head (fp8plug.layers.output_head) stays in high
-        precision (FP8RecipeKwargs.fp8_output_head, resolved by `make_plan`).
+        precision (FP8RecipeKwargs.fp8_output_head, resolved by `make_plan`). Not compared: the
+        same recipe resolves it one way for convert_model and the other for the Accelerator, so a
+        model converted by hand and then prepared keeps its head as converted (reported as
+        already converted), rather than being refused as converted with other settings.
     use_autocast_during_eval: FP8 in eval mode too (fp8plug.autocast).
     optimizer_states: low-precision optimizer states (fp8plug.integrations.optim).
     skip_causal_mask: transformers' SDPA attention without a built causal mask (fp8plug.hf.attention).
@@ -75,7 +78,7 @@ class Plan:
     scaling: str = ""
     modules_to_ignore: Optional[Tuple[str, ...]] = None
     module_filter_fn: Optional[Callable] = field(default=None, compare=False, repr=False)
-    keep_output_head: bool = False
+    keep_output_head: bool = field(default=False, compare=False)
     use_autocast_during_eval: bool = False
     optimizer_states: Optional[str] = None
     skip_causal_mask: bool = True

@@ -109,6 +109,18 @@ def test_modules_to_ignore_naming_the_head_too_is_no_error():
     assert accelerator.fp8_reports[0].kinds["lm_head"] == IGNORED and type(model.lm_head) is nn.Linear
 
 
+def test_a_model_converted_by_hand_then_prepared_keeps_its_fp8_head():
+    """convert_model converts the head and the Accelerator would not: the same recipe through both
+    is still the same conversion (Plan.keep_output_head is not compared), so prepare() takes the
+    model as converted instead of refusing it."""
+    model = tiny_llama()
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(**NATIVE))
+    model, _, accelerator = accelerated(model, FP8RecipeKwargs(**NATIVE))
+    report = accelerator.fp8_reports[0]
+    assert is_fp8(model.lm_head) and report.kinds["lm_head"] == "already converted"
+    assert len(report.fp8_linears) == 15
+
+
 def test_a_peft_wrapped_model_keeps_its_head():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
