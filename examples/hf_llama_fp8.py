@@ -74,8 +74,9 @@ def main(argv=None) -> int:
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # running under `accelerate launch`
     backend = args.backend or (None if launched else "native")
     # backend None: the launch config's fp8 backend, else the automatic choice ("auto" forces that).
-    # auto_filter=False: a model this small would stay in bf16 on an H100/H200 (FP8 is slower there)
-    recipe = FP8RecipeKwargs(backend=backend, modules_to_ignore=["lm_head"], auto_filter=False)
+    # auto_filter=False: a model this small would stay in bf16 on an H100/H200 (FP8 is slower there).
+    # lm_head stays in high precision: the Accelerator's default (FP8RecipeKwargs.fp8_output_head)
+    recipe = FP8RecipeKwargs(backend=backend, auto_filter=False)
     accelerator = fp8plug.Accelerator(
         mixed_precision="fp8",
         cpu=args.device == "cpu",

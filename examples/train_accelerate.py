@@ -7,8 +7,9 @@
     fp8plug launch --config_file examples/configs/cpu_deepspeed_fp8.yaml examples/train_accelerate.py
 
 FP8 settings come from the launch configuration (`mixed_precision: fp8` and its `fp8_config:`
-section, or `--mixed_precision fp8 --fp8_backend ...` on the command line); the script only adds
-`modules_to_ignore=["lm_head"]`. Every process sees its own slice of the same global batch, so a
+section, or `--mixed_precision fp8 --fp8_backend ...` on the command line); the script only sets
+`auto_filter=False`. lm_head stays in high precision, as the Accelerator keeps a model's output head
+by default (`fp8_output_head`, docs/recipe.md). Every process sees its own slice of the same global batch, so a
 run on N processes follows the same data as a run on one. Each rank prints one line
 `FP8PLUG_RESULT {json}` (engine, recipe, losses, a checksum of the plain weights) and, with
 --out, writes it to OUT/rank<r>.json. --save-at/--save-dir and --resume exercise
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     fp8 = requested_precision(None) == "fp8"
     # auto_filter=False: at these sizes the default filter would keep every layer in bf16 on a GPU
-    handlers = [fp8plug.FP8RecipeKwargs(modules_to_ignore=["lm_head"], auto_filter=False)] if fp8 else []
+    # (lm_head stays in high precision: the Accelerator's default, FP8RecipeKwargs.fp8_output_head)
+    handlers = [fp8plug.FP8RecipeKwargs(auto_filter=False)] if fp8 else []
     accelerator = fp8plug.Accelerator(cpu=args.cpu, kwargs_handlers=handlers,
                                       gradient_accumulation_steps=args.grad_accum)
     info = {

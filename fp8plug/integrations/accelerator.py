@@ -144,9 +144,10 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
             if self.fp8_selection.mode and is_main_process():
                 logger.info("fp8plug: FP8 engine %s", self.fp8_selection.summary())
-            # the plan, once: a recipe the engine refuses fails here, not mid-prepare
+            # the plan, once: a recipe the engine refuses fails here, not mid-prepare; the speed
+            # filter on, and the output head in high precision unless fp8_output_head=True (docs/recipe.md)
             self.fp8_plan = make_plan(self.fp8_engine, self._recipe_for_run(recipe), self.fp8_selection.device,
-                                      auto_filter=True)
+                                      auto_filter=True, output_head_default_fp8=False)
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models, recipe)
             if ds.is_deepspeed(self):
                 ds.check_engine(self)

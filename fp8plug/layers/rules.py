@@ -2,8 +2,9 @@
 
 A module converts if it is of a kind the engine converts (exact nn.Linear; for some engines the
 norms), an nn.Linear has in and out features divisible by 16, `modules_to_ignore` does not name it
-(a name matching nothing is an error: almost always a typo) and `module_filter_fn` does not veto
-it; one skipped module never stops its siblings. Reported, never converted, since their forward
+(a name matching nothing is an error: almost always a typo), it is not the output head where the
+plan keeps that in high precision (layers.output_head) and `module_filter_fn` does not veto it;
+one skipped module never stops its siblings. Reported, never converted, since their forward
 never runs: nn.MultiheadAttention's projections and a head a fused loss reads (layers.fused_heads).
 Each converted Linear gets a GEMM counter (layers.gemm_counts). User reference: docs/recipe.md.
 """
@@ -18,12 +19,19 @@ from torch import nn
 from fp8plug.layers.ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
 from fp8plug.layers.fused_heads import LIGER_KIND, TRL_KIND, fused_heads
 from fp8plug.layers.gemm_counts import count_gemms, has_gemm_counter
+from fp8plug.layers.output_head import output_head_fqns
 
 ALIGNMENT = 16
 
 # Kinds of skip, for the one-line summary (ConversionReport.summary), which groups by kind.
 ALREADY = "already converted"
 IGNORED = "listed in modules_to_ignore"
+OUTPUT_HEAD = "output head"
+OUTPUT_HEAD_REASON = (
+    "the output head stays in high precision (FP8RecipeKwargs.fp8_output_head): on real text an FP8 head "
+    "cost 1.4% final loss where every other Linear in FP8 cost none (docs/numerics.md); fp8_output_head=True "
+    "runs it in FP8")
+OUTPUT_HEAD_NOTE = "fp8_output_head=True runs it in FP8"
 REFUSED = "refused by module_filter_fn"
 NOT_ELIGIBLE = "not eligible"
 SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
@@ -219,13 +227,16 @@ def plan_conversion(
     modules_to_ignore: Optional[Sequence[str]] = None,
     module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
     unfiltered: Tuple[type, ...] = (),
+    keep_output_head: bool = False,
 ) -> Tuple[List[Tuple[str, nn.Module]], ConversionReport]:
     """Decide, module by module, what to convert.
 
     `eligible` maps an exact module type to a check that returns why a module of that type cannot
     be converted (None if it can). `unfiltered`: eligible types module_filter_fn is not asked
     about, since converting them decides no precision (the native engine's fused norms); they
-    still honour modules_to_ignore. Returns the (fqn, module) pairs to convert and a report
+    still honour modules_to_ignore. `keep_output_head`: leave the model's output head
+    (fp8plug.layers.output_head; Plan.keep_output_head) in high precision; modules_to_ignore naming
+    it too is no error. Returns the (fqn, module) pairs to convert and a report
     holding them and every skipped candidate with its reason.
     """
     check_convertible(model)
@@ -237,6 +248,7 @@ def plan_conversion(
     attention = _attention_modules(model) if nn.Linear in eligible else {}
     adapters = _adapter_modules(model)
     fused = fused_heads(model) if nn.Linear in eligible else {}
+    heads = output_head_fqns(model) if keep_output_head and nn.Linear in eligible else frozenset()
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) or has_gemm_counter(module):
             report.linears.append(fqn)
@@ -268,6 +280,9 @@ def plan_conversion(
             continue
         if ignore.intersection(paths.get(fqn, ())):  # under any of its names
             report.skip(fqn, "listed in modules_to_ignore", IGNORED)
+            continue
+        if fqn in heads:
+            report.skip(fqn, OUTPUT_HEAD_REASON, OUTPUT_HEAD, OUTPUT_HEAD_NOTE)
             continue
         if isinstance(module, nn.Linear):
             refuse_unusable_linear(fqn, module)

@@ -52,6 +52,7 @@ DEFAULTS = {
     "auto_filter_tokens": None,
     "skip_causal_mask": True,
     "fp8_dpa": False,
+    "fp8_output_head": None,
     "layer_scaling": None,
     **NUMERICS_DEFAULTS,
     **DELAYED_DEFAULTS,
@@ -116,6 +117,10 @@ class FP8RecipeKwargs(KwargsHandler):
         auto_filter_tokens: the tokens per GPU per step the filter assumes (default 8192).
         skip_causal_mask: SDPA's is_causal instead of a built causal mask (default True).
         fp8_dpa: FP8 attention through TransformerEngine (default False).
+        fp8_output_head: the model's output head (lm_head) in FP8. None (default): high precision
+            through the Accelerator (an FP8 head cost 1.4% final loss on real text,
+            docs/numerics.md), FP8 through convert_model (Accelerate's contract); True or False:
+            on every path.
         layer_scaling: per-layer scaling (native): {module-name fnmatch pattern: scaling word or
             "bf16"}, the first matching pattern deciding (fp8plug.recipe.layer_scaling).
         numerics_watch_interval: every how many optimizer steps the numerics watch checks every
@@ -149,6 +154,7 @@ class FP8RecipeKwargs(KwargsHandler):
     reduce_amax: Optional[bool] = None
     skip_causal_mask: Optional[bool] = None
     fp8_dpa: Optional[bool] = None
+    fp8_output_head: Optional[bool] = None
     layer_scaling: Optional[Any] = None
     numerics_watch_interval: Optional[int] = None
     numerics_guard: Optional[bool] = None
@@ -287,8 +293,10 @@ def _module_filter(value, label: str) -> Optional[Callable]:
     return value
 
 
-def _auto_filter(value, label: str) -> Optional[bool]:
-    """True, False, or None ("auto", "none"): on where a calibration exists."""
+def _bool_or_auto(value, label: str) -> Optional[bool]:
+    """True, False, or None ("auto", "none"): the default, which depends on where the recipe is
+    used (auto_filter: on where a calibration exists; fp8_output_head: the Accelerator or
+    convert_model)."""
     if value is None or str(value).strip().lower() in ("auto", "none"):
         return None
     return parse_bool(value, label)
@@ -361,10 +369,11 @@ _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "pad_inner_dim": parse_bool,
     "ao_config": lambda value, label: value,  # what it is, the ao engine checks; its backend, _backend_for
     "optimizer_states": _optimizer_states,
-    "auto_filter": _auto_filter,
+    "auto_filter": _bool_or_auto,
     "auto_filter_tokens": _optional(Integer(1, 2**31 - 1, "it is a GEMM dimension and must fit in int32")),
     "skip_causal_mask": parse_bool,
     "fp8_dpa": parse_bool,
+    "fp8_output_head": _bool_or_auto,
     "layer_scaling": check_layer_scaling,
     **NUMERICS_CHECKS,
     **DELAYED_CHECKS,

@@ -46,7 +46,7 @@ def test_one_cpu_process_from_config_file(tmp_path):
     # `accelerate config` key names win over the defaults launch exports under Accelerate's names
     assert recipe["backend"] == "native" and recipe["amax_history_len"] == 16
     assert recipe["amax_compute_algo"] == "max" and recipe["fp8_format"] == "HYBRID"
-    assert result["converted"] == 14  # 2 blocks x 7 Linears; lm_head left out by the script
+    assert result["converted"] == 14  # 2 blocks x 7 Linears; lm_head stays bf16 (the default)
     assert len(result["losses"]) == 4 and all(math.isfinite(x) for x in result["losses"])
     assert result["weights"]["keys"] == 22 and "embed.weight" in result["state_dict_keys"]
     assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]
@@ -99,6 +99,7 @@ def test_config_file_with_wizard_keys(tmp_path):
         "  margin: 2\n"
         "  interval: 3\n"
         "  override_linear_precision: [false, false, true]\n"
+        "  fp8_output_head: true\n"  # launch exports it as ACCELERATE_FP8_OUTPUT_HEAD
     )
     code, results, output = launch(tmp_path, ["--config_file", str(config)], ["--check-config"])
     assert code == 0, output[-3000:]
@@ -108,6 +109,7 @@ def test_config_file_with_wizard_keys(tmp_path):
         "native", "E4M3", 32, "max")
     assert (recipe["opt_level"], recipe["margin"], recipe["interval"]) == ("O1", 2, 3)
     assert recipe["override_linear_precision"] == [False, False, True]
+    assert recipe["fp8_output_head"] is True
 
 
 HIDE_ENGINES = '''

@@ -284,16 +284,17 @@ class AOEngine(Engine):
         self.require()
         plan = self.plan_of(plan)
         config = self.float8_config(plan)
-        modules_to_ignore, module_filter_fn = plan.modules_to_ignore, plan.module_filter_fn
+        rules = dict(modules_to_ignore=plan.modules_to_ignore, module_filter_fn=plan.module_filter_fn,
+                     keep_output_head=plan.keep_output_head)
         if is_mx_training_config(config):
-            return _convert_mx(self, model, config, modules_to_ignore, module_filter_fn)
+            return _convert_mx(self, model, config, rules)
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
         problem = float8_all_gather_problem(config) if config.enable_fsdp_float8_all_gather else None
         if problem:
             raise ValueError(f"enable_fsdp_float8_all_gather cannot be used with this float8 config: {problem}.")
-        planned, report = plan_fqns(model, self, linear_alignment_problem, modules_to_ignore, module_filter_fn)
+        planned, report = plan_fqns(model, self, linear_alignment_problem, **rules)
         if not planned:
             return report
         wanted = frozenset(planned)
@@ -365,11 +366,12 @@ class AOEngine(Engine):
         return "torchao.float8.fsdp_utils" in sys.modules
 
 
-def plan_fqns(model, engine, alignment_problem, modules_to_ignore, module_filter_fn):
+def plan_fqns(model, engine, alignment_problem, modules_to_ignore, module_filter_fn, keep_output_head=False):
     """The shared conversion rules for torchao's own converters, which take a filter rather than
     modules: (the fully-qualified names to convert, the report of every skipped candidate)."""
     targets, report = plan_conversion(
         model, engine.name, {nn.Linear: alignment_problem}, engine.is_converted, modules_to_ignore, module_filter_fn,
+        keep_output_head=keep_output_head,
     )
     planned = [fqn for fqn, _ in targets]
     if "" in planned:
@@ -432,12 +434,13 @@ def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 
-def _convert_mx(engine: AOEngine, model: nn.Module, config, modules_to_ignore, module_filter_fn) -> ConversionReport:
+def _convert_mx(engine: AOEngine, model: nn.Module, config, rules: dict) -> ConversionReport:
     """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
-    (in place), under the shared conversion rules with MXFP8's block alignment."""
+    (in place), under the shared conversion rules (`rules`: plan_fqns's keywords) with MXFP8's
+    block alignment."""
     from torchao.quantization import quantize_
 
-    planned, report = plan_fqns(model, engine, mx_alignment_problem, modules_to_ignore, module_filter_fn)
+    planned, report = plan_fqns(model, engine, mx_alignment_problem, **rules)
     if not planned:
         return report
     wanted = frozenset(planned)

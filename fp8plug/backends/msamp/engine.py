@@ -131,7 +131,7 @@ class MSAMPEngine(Engine):
         _clear_our_marks(model)
         targets, report = plan_conversion(
             model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            plan.modules_to_ignore, plan.module_filter_fn,
+            plan.modules_to_ignore, plan.module_filter_fn, keep_output_head=plan.keep_output_head,
         )
         chosen = set()
         for fqn, module in targets:

@@ -348,7 +348,8 @@ class NativeEngine(Engine):
         if not eligible:
             return ConversionReport(self.name)
         targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
-                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms)
+                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms,
+                                          keep_output_head=plan.keep_output_head)
         for fqn, _ in targets:
             word = word_for(plan.layer_scaling, fqn)
             if word:
@@ -467,7 +468,7 @@ class NativeEngine(Engine):
                 "native FP8 state: the checkpoint's converted modules "
                 f"{sorted(set(state) - set(modules))} are not in this model and this model's "
                 f"{sorted(set(modules) - set(state))} are not in the checkpoint; convert the model "
-                "with the same recipe (modules_to_ignore, module_filter_fn) as when it was saved."
+                "with the same recipe (modules_to_ignore, module_filter_fn, fp8_output_head) as when it was saved."
             )
         for fqn, buffers in state.items():
             module = modules[fqn]

@@ -310,7 +310,7 @@ class TEEngine(Engine):
                 self.te_recipe(plan)  # refuse a recipe this TE cannot build, before touching the model
         targets, report = plan_conversion(
             model, self.name, self.eligibility(scaling, linear, norm), self.is_converted,
-            plan.modules_to_ignore, plan.module_filter_fn,
+            plan.modules_to_ignore, plan.module_filter_fn, keep_output_head=plan.keep_output_head,
         )
         linear_cls = te_linear_class() if linear else None
 
