@@ -17,9 +17,9 @@ fixed set of held-out batches.
 
 Rows, each its own process (fresh inductor/triton caches):
   bf16                accelerate.Accelerator(mixed_precision="bf16")
-  fp8plug-default     fp8plug.Accelerator(mixed_precision="fp8"), its default recipe
-  fp8plug-bf16head    the default with the LM head in bf16 (modules_to_ignore=["lm_head"]), as
-                      Accelerate's torchao filter and Megatron's first_last_layers_bf16 keep it
+  fp8plug-default     fp8plug.Accelerator(mixed_precision="fp8"), its default recipe (the LM head in
+                      bf16, as Accelerate's torchao filter and Megatron's first_last_layers_bf16 keep it)
+  fp8plug-fp8head     the default with the LM head in FP8 too (fp8_output_head=True)
   fp8plug-rowwise     FP8RecipeKwargs(backend="native", scaling="rowwise")
   fp8plug-blockwise   FP8RecipeKwargs(backend="native", scaling="blockwise")
   te-delayed          FP8RecipeKwargs(backend="te") (TransformerEngine's delayed scaling)
@@ -59,7 +59,7 @@ ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ROWS = ("bf16", "fp8plug-default", "fp8plug-bf16head", "fp8plug-rowwise", "fp8plug-blockwise", "te-delayed",
+ROWS = ("bf16", "fp8plug-default", "fp8plug-fp8head", "fp8plug-rowwise", "fp8plug-blockwise", "te-delayed",
         "accelerate-ao")
 SUFFIXES = (".py", ".md", ".rst", ".txt")
 FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=4, vocab=32000, budget_mb=40,
@@ -172,7 +172,7 @@ def accelerator_for(row: str, watch: int):
         return accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[handler])
     import fp8plug
 
-    options = {"fp8plug-default": {}, "fp8plug-bf16head": dict(modules_to_ignore=["lm_head"]),
+    options = {"fp8plug-default": {}, "fp8plug-fp8head": dict(fp8_output_head=True),
                "fp8plug-rowwise": dict(backend="native", scaling="rowwise"),
                "fp8plug-blockwise": dict(backend="native", scaling="blockwise"), "te-delayed": dict(backend="te")}[row]
     if watch:
