@@ -11,9 +11,10 @@ FP8 GEMM), measured on an H200:
   (2.13 tags them), so the partitioner kept every frozen FP8 GEMM's output alive until backward,
   about 7 GiB for LoRA on an 8B model.
 An operator is one node to dynamo: tagged like any op, and its backward is called by AOT autograd
-with the real gradient. Inside it the casts run as they do eagerly (fused kernels on CUDA), so
-the compiler no longer fuses them into the ops around them. Eagerly the autograd.Functions stay:
-they keep FP8 copies for backward and cost no operator dispatch.
+with the real gradient. The granular and frozen layers make their casts outside their operators,
+traced, so the compiler still fuses them into the ops around them (and makes q, k and v's input
+cast once); the grouped layer casts inside its operator, with the fused kernels it uses eagerly.
+Eagerly the autograd.Functions stay: they cost no operator dispatch.
 
 Operators cannot return None, so an output nobody needs (the gradient of a frozen weight) is an
 empty tensor here, turned back into None by the autograd formula. Outputs are contiguous, as

@@ -186,8 +186,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: to
     lowers torch._scaled_grouped_mm to its own template and picks the operands' strides itself.
     Inside, the operands are put in the layouts the kernel documents (first row-major, second
     column-major), a no-op for what the casts above produce. Made while chasing compiled expert
-    weight gradients unrelated to eager ones on an H100 (0 dB); it did not cure the compiled tiny
-    Mixtral's training, so that bug lies elsewhere (hf.experts.COMPILED_CUDA_FP8)."""
+    weight gradients unrelated to eager ones on an H100 (0 dB); that bug lay in how torch 2.11
+    traced the autograd.Function around it (backends/native/compiled_ops.py)."""
     if not emulates(a.device):
         return torch._scaled_grouped_mm(a.contiguous(), _column_major(b), inv_a.contiguous(), inv_b.contiguous(),
                                         offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)

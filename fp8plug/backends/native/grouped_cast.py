@@ -16,9 +16,9 @@ and its reciprocal) are made in float64 and rounded to float32, which gives the 
 float32 quotient (a quotient of two floats rounded twice through a format of more than twice the
 precision is rounded once). tests/cpu/test_moe_casts.py checks the fused casts against grouped.py's.
 
-When: eagerly on CUDA only (`usable`). Under torch.compile(model) grouped.py's torch ops are
-traced as they are and the compiler fuses them into the kernels around them, as with
-fused_cast.py's Linear casts; on a CPU (the emulation) the torch ops run, as they are the
+When: on CUDA wherever the casts run outside a trace (`usable`): eagerly, and inside the grouped
+operator a compiled model calls (grouped.py; backends/native/compiled_ops.py says why the
+compiled experts are an operator); on a CPU (the emulation) the torch ops run, as they are the
 reference. The weight casts are compiled once per shape (static), the token casts once, with
 the token count symbolic; one function per role below, so each keeps its own entries
 in dynamo's cache.
