@@ -27,7 +27,7 @@ ENV_NAMES = {
     "auto_filter": ("FP8PLUG_AUTO_FILTER", "ACCELERATE_FP8_AUTO_FILTER"),
     "auto_filter_tokens": ("FP8PLUG_AUTO_FILTER_TOKENS", "ACCELERATE_FP8_AUTO_FILTER_TOKENS"),
     "skip_causal_mask": ("FP8PLUG_SKIP_CAUSAL_MASK", "ACCELERATE_FP8_SKIP_CAUSAL_MASK"),
-    "fp8_dpa": ("FP8PLUG_FP8_DPA", "ACCELERATE_FP8_FP8_DPA"),
+    "fp8_dpa": ("FP8PLUG_FP8_DPA", "ACCELERATE_FP8_DPA"),  # accelerate adds no second "fp8_" to `fp8_dpa:`
     "fp8_output_head": ("FP8PLUG_FP8_OUTPUT_HEAD", "ACCELERATE_FP8_OUTPUT_HEAD"),
     **{name: (f"FP8PLUG_{name.upper()}", f"ACCELERATE_FP8_{name.upper()}") for name in (
         "numerics_watch_interval", "numerics_guard", "guard_min_sqnr_db", "guard_max_saturation", "guard_patience")},

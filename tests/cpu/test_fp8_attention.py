@@ -79,7 +79,8 @@ def test_fp8_dpa_is_off_by_default_and_read_from_arguments_and_the_environment(m
     assert recipe.fp8_dpa is True and not recipe.is_explicit("fp8_dpa")
     assert FP8RecipeKwargs(fp8_dpa=False).fp8_dpa is False  # an argument beats the environment
     monkeypatch.delenv("FP8PLUG_FP8_DPA")
-    monkeypatch.setenv("ACCELERATE_FP8_FP8_DPA", "1")  # `fp8_config: fp8_dpa: true`, as accelerate launch exports it
+    # `fp8_config: fp8_dpa: true`, as accelerate launch exports it (it adds no second "fp8_")
+    monkeypatch.setenv("ACCELERATE_FP8_DPA", "1")
     assert FP8RecipeKwargs().fp8_dpa is True
 
 
@@ -377,3 +378,4 @@ def test_te_gets_bshd_without_a_copy_where_transformers_lays_tensors_out_so():
     contiguous = as_transformers.contiguous()
     got = _te_attention._bshd(contiguous)
     assert got.is_contiguous() and got.data_ptr() != contiguous.data_ptr() and torch.equal(got, bthd)
+
