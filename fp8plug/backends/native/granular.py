@@ -403,7 +403,9 @@ def granular_linear(x2: torch.Tensor, weight: torch.Tensor, scaling: str, out_dt
     if not compiled_ops.compiling():
         return _GranularLinear.apply(x2, weight, config)
     fprop = _fprop_operands(x2, weight, config, _traced_cast)
-    saved = _backward_operands(x2, weight, config, x2.requires_grad, weight.requires_grad, fprop, _traced_cast)
+    grad = torch.is_grad_enabled()  # no backward operands for a forward under no_grad (eval)
+    saved = _backward_operands(x2, weight, config, grad and x2.requires_grad, grad and weight.requires_grad, fprop,
+                               _traced_cast)
     return _granular_op(x2, weight, fprop, saved, scaling, out_dtype, list(override))
 
 
