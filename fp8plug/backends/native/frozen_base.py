@@ -45,8 +45,13 @@ def _frozen_forward(x2: torch.Tensor, source, weight: torch.Tensor, weight_scale
 
 def _frozen_backward(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      dgrad_dtype: torch.dtype) -> torch.Tensor:
+    """grad_output @ W from the stored codes. _scaled_mm takes its second operand column-major, so
+    the [out, in] codes are transposed here (1 byte per weight) and freed after the GEMM. Compiled,
+    this runs inside an operator (`_frozen_op_backward`), so torch.compile cannot hoist the
+    transposed copy into the forward and keep one per layer alive until backward (a weight-only
+    value, cheap to save by its partitioner's measure: 0.2 GB a layer at 8B)."""
     g_fp8, _, g_inv, _ = cast_operand(grad_out, E5M2, False, None, None, 0, transposed=False)
-    return _input_gradient(g_fp8, g_inv, weight, weight_scale, dgrad_dtype)
+    return scaled_mm(g_fp8, weight.t().contiguous().t(), g_inv, weight_scale, dgrad_dtype, use_fast_accum=False)
 
 
 class _FrozenFP8Matmul(torch.autograd.Function):
@@ -71,22 +76,6 @@ class _FrozenFP8Matmul(torch.autograd.Function):
         shared_input.forget()
         grad_x = _frozen_backward(grad_out, weight, weight_scale, writable_dtype(x_dtype, out_dtype))
         return grad_x.to(x_dtype), None, None, None, None
-
-
-@torch.library.custom_op("fp8plug::frozen_fp8_input_gradient", mutates_args=())
-def _input_gradient(g_fp8: torch.Tensor, g_inv: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    """grad_output @ W from the stored codes. _scaled_mm takes its second operand column-major, so
-    the [out, in] codes are transposed here (1 byte per weight) and freed after the GEMM. One
-    operator, so that torch.compile cannot hoist the transposed copy into the forward and keep
-    one per layer alive until backward (a weight-only value, cheap to save by its partitioner's
-    measure: 0.2 GB a layer at 8B)."""
-    return scaled_mm(g_fp8, weight.t().contiguous().t(), g_inv, weight_scale, out_dtype, use_fast_accum=False)
-
-
-@_input_gradient.register_fake
-def _(g_fp8, g_inv, weight, weight_scale, out_dtype):
-    return g_fp8.new_empty((g_fp8.shape[0], weight.shape[1]), dtype=out_dtype)
 
 
 # Compiled: two operators (backends.native.compiled_ops says why: here, so that activation
