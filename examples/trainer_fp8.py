@@ -158,6 +158,9 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rank{accelerator.process_index}.json"), "w") as f:
             f.write(line)
+    # Destroys the process group while the interpreter is whole: left to exit, gloo's worker threads
+    # can abort the process ("terminate called without an active exception", pytorch#190489).
+    accelerator.end_training()
     return 0
 
 

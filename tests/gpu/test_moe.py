@@ -97,20 +97,26 @@ def test_small_moe_trains_with_fp8_experts(name, compiled):
     assert abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[-1] + 0.05, (losses[-1], ref_losses[-1])
 
 
-@pytest.mark.xfail(reason="open: on an H200 (2026-11-27) this stayed below its 20 dB bar after the grouped layer "
-                          "became an operator, whose compiled gradients equal eager's exactly (benchmarks/diagnose/"
-                          "compiled_fp8_grads.py, case grouped); not diagnosed further", strict=False)
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_compiled_fp8_experts_compute_what_eager_ones_do(name):
-    """One forward and backward of the same converted model, eager and under torch.compile: the loss
-    and every gradient agree (the same casts and GEMMs; only rounding order may differ), so a
-    compiled run that trains differently is not a wrong compiled graph."""
+    """One forward and backward of the same converted model, eager and under torch.compile, each
+    against the same model's gradients in bf16 without FP8: the compiled gradients must be as close
+    to that reference as the eager ones. Compiled and eager FP8 are not compared with each other:
+    one ulp of difference upstream (inductor orders bf16 sums its own way) moves every dynamic scale
+    after it and can flip a token's top-k expert, so two correct FP8 runs part by a whole FP8 noise
+    (about 20 dB, docs/numerics.md); a wrong compiled graph (the zero gradients torch 2.11 once
+    traced, 0 dB) is far further from the reference than eager is."""
     build = builder(name)
     if build is None:
         pytest.skip(f"this transformers has no {name}")
     ffn = dict(intermediate_size=512) if name == "mixtral" else dict(moe_intermediate_size=256)
     model = build(hidden_size=256, num_hidden_layers=2, vocab_size=512, **ffn).cuda()
     ids = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation("eager")  # see _bf16
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        hf_loss(reference, ids).backward()
+    bf16 = {n: p.grad.float() for n, p in reference.named_parameters() if p.grad is not None}
     fresh()
     accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="native")])
     model = accelerator.prepare(model)
@@ -123,7 +129,8 @@ def test_compiled_fp8_experts_compute_what_eager_ones_do(name):
                                       if p.grad is not None}))
     (eager_loss, eager), (compiled_loss, compiled) = results
     assert abs(compiled_loss - eager_loss) < 1e-2 * abs(eager_loss), (compiled_loss, eager_loss)
-    assert eager.keys() == compiled.keys()
-    low = sorted((round(sqnr_db(compiled[n], eager[n]), 1), n) for n in eager if eager[n].norm() > 0)
-    assert low[0][0] > 20, low[:8]
+    assert eager.keys() == compiled.keys() == bf16.keys()
+    rows = [(round(sqnr_db(compiled[n], bf16[n]) - sqnr_db(eager[n], bf16[n]), 1), n) for n in bf16
+            if bf16[n].norm() > 0]
+    assert min(rows)[0] > -6, sorted(rows)[:8]  # dB of compiled's distance from bf16 beyond eager's
 
