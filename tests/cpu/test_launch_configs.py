@@ -62,6 +62,7 @@ for step in (plain, ours) if order == "plain-first" else (ours, plain):
     step()
 out.mkdir(exist_ok=True)
 (out / f"rank{result['rank']}.json").write_text(json.dumps(result))
+accelerate.PartialState().destroy_process_group()  # before exit: gloo's threads can abort a rank there
 '''
 
 
