@@ -7,7 +7,7 @@ whose GEMM runs inside one keeps that GEMM's output alive until backward, and ch
 saving memory for it. The native engine's granular, grouped and frozen layers call operators
 when compiled for that reason (backends/native/compiled_ops.py); the per-tensor layer still runs
 its GEMMs in an autograd.Function (backends/native/fp8_matmul.py). Measured on the CPU with torch
-2.11 (docs/numerics.md, "Activation checkpointing under torch.compile"): per block, the
+2.11 (docs/engines.md, the native engine's "Known limit"): per block, the
 per-tensor layer keeps its up-projection's output, which bf16 recomputes.
 
 This lists, for a stack of checkpointed MLP blocks compiled with inductor, every activation the
