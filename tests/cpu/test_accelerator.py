@@ -456,7 +456,7 @@ def test_example_script_resumes_identically(tmp_path, monkeypatch):
 
 def test_optimizer_states_field_swaps_adamw_for_a_low_bit_one(monkeypatch):
     """The opt-in recipe field reaches prepare(); without it the user's optimizer is kept."""
-    from torchao.optim import AdamW8bit
+    AdamW8bit = pytest.importorskip("torchao.optim", reason="needs torchao (its low-bit AdamW)").AdamW8bit
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
