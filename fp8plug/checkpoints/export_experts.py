@@ -47,6 +47,9 @@ from fp8plug.hf.experts import experts_modules, is_transposed
 logger = logging.getLogger("fp8plug")
 
 _PROBE_ROWS = 12  # divisible by every split count a conversion may use (1, 2, 3, 4, 6)
+# two identical columns, not one: transformers 5.17's reverse conversion squeezes a trailing
+# dimension of size 1 away (5.24 keeps it)
+_PROBE_COLS = 2
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
 
@@ -107,7 +110,7 @@ def per_expert_layout(model: nn.Module, fqn: str, module: nn.Module) -> Tuple[Op
         experts = p.shape[0]
         base = index * experts * _PROBE_ROWS
         probe[f"{fqn}.{name}"] = torch.arange(base, base + experts * _PROBE_ROWS, dtype=torch.float64).reshape(
-            experts, _PROBE_ROWS, 1)
+            experts, _PROBE_ROWS, 1).expand(experts, _PROBE_ROWS, _PROBE_COLS).contiguous()
         origin[name] = (base, experts)
     out = _revert(model, probe)
     if set(out) == set(probe):
@@ -123,14 +126,14 @@ def per_expert_layout(model: nn.Module, fqn: str, module: nn.Module) -> Tuple[Op
 
 def _decode(value: torch.Tensor, origin: Dict[str, Tuple[int, int]]) -> Optional[Slot]:
     """The Slot a probe output came from: consecutive rows of one expert of one parameter."""
-    if value.dim() != 2 or value.shape[1] != 1 or _PROBE_ROWS % value.shape[0]:
+    if value.dim() != 2 or value.shape[1] != _PROBE_COLS or _PROBE_ROWS % value.shape[0]:
         return None
     first = int(value[0, 0])
     for name, (base, experts) in origin.items():
         if base <= first < base + experts * _PROBE_ROWS:
             expert, row = divmod(first - base, _PROBE_ROWS)
             rows = value.shape[0]
-            expected = torch.arange(first, first + rows, dtype=value.dtype).reshape(rows, 1)
+            expected = torch.arange(first, first + rows, dtype=value.dtype).reshape(rows, 1).expand(rows, _PROBE_COLS)
             if row % rows or not torch.equal(value, expected):
                 return None
             return Slot(name, expert, row // rows, _PROBE_ROWS // rows)
