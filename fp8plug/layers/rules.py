@@ -27,11 +27,10 @@ ALIGNMENT = 16
 ALREADY = "already converted"
 IGNORED = "listed in modules_to_ignore"
 OUTPUT_HEAD = "output head"
+OUTPUT_HEAD_NOTE = "fp8_output_head=True runs it in FP8"
 OUTPUT_HEAD_REASON = (
     "the output head stays in high precision (FP8RecipeKwargs.fp8_output_head): on real text an FP8 head "
-    "cost 1.4% final loss where every other Linear in FP8 cost none (docs/numerics.md); fp8_output_head=True "
-    "runs it in FP8")
-OUTPUT_HEAD_NOTE = "fp8_output_head=True runs it in FP8"
+    f"cost 1.4% final loss where every other Linear in FP8 cost none (docs/numerics.md); {OUTPUT_HEAD_NOTE}")
 REFUSED = "refused by module_filter_fn"
 NOT_ELIGIBLE = "not eligible"
 SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"

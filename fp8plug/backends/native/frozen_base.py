@@ -37,9 +37,16 @@ from fp8plug.backends.region import fp8_now
 ALIGNMENT = 16  # _scaled_mm's: both widths and the token count (padded) multiples of 16
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, source=None):
+    """(t in FP8, the inverse scale): the native engine's dynamic per-tensor cast, row-major only
+    (`source`: cast_operand's, an input other layers read too)."""
+    t_fp8, _, inv, _ = cast_operand(t, dtype, False, None, None, 0, transposed=False, source=source)
+    return t_fp8, inv
+
+
 def _frozen_forward(x2: torch.Tensor, source, weight: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
-    x_fp8, _, x_inv, _ = cast_operand(x2, E4M3, False, None, None, 0, transposed=False, source=source)
+    x_fp8, x_inv = _cast(x2, E4M3, source)
     return scaled_mm(x_fp8, weight.t(), x_inv, weight_scale, out_dtype, use_fast_accum=True)
 
 
@@ -50,7 +57,7 @@ def _frozen_backward(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale:
     this runs inside an operator (`_frozen_op_backward`), so torch.compile cannot hoist the
     transposed copy into the forward and keep one per layer alive until backward (a weight-only
     value, cheap to save by its partitioner's measure: 0.2 GB a layer at 8B)."""
-    g_fp8, _, g_inv, _ = cast_operand(grad_out, E5M2, False, None, None, 0, transposed=False)
+    g_fp8, g_inv = _cast(grad_out, E5M2)
     return scaled_mm(g_fp8, weight.t().contiguous().t(), g_inv, weight_scale, dgrad_dtype, use_fast_accum=False)
 
 
@@ -180,7 +187,7 @@ class FrozenFP8Linear(nn.Linear):
     def _fp8_forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if compiled_ops.compiling():
-            x_fp8, _, x_inv, _ = cast_operand(x2, E4M3, False, None, None, 0, transposed=False)
+            x_fp8, x_inv = _cast(x2, E4M3)
             out = _frozen_op(x2, x_fp8, x_inv, self.weight, self.weight_scale, out_dtype)
         else:
             out = _FrozenFP8Matmul.apply(x2, x, self.weight, self.weight_scale, out_dtype)

@@ -118,7 +118,16 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
     non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize). On the
     CPU one operator torch.compile calls as it is: torch 2.13's CPU inductor failed to generate
     code for the tile reduction traced into it (its loop split); GPU compilers fuse it."""
-    if t.device.type == "cpu" and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return _traced_cast(t, kind, power_of_two)
+    return _cast_tiles(t, kind, power_of_two)
+
+
+def _traced_cast(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cast_tiles as a compiled graph holds it: the torch ops, traced, on a GPU; one operator on
+    the CPU. Called directly where a trace is certain (a compiled granular layer, forward and its
+    autograd formula)."""
+    if t.device.type == "cpu":
         return _cpu_cast_tiles(t.detach(), kind, power_of_two)
     return _cast_tiles(t, kind, power_of_two)
 
@@ -335,14 +344,7 @@ class _GranularLinear(torch.autograd.Function):
 
 # Compiled: the GEMMs are two operators (backends.native.compiled_ops says why); the casts stay
 # outside them, traced, where the compiler fuses them (forward's in the forward graph, grad_output's
-# in the backward graph, through the autograd formula). On the CPU those casts are one operator each
-# (`_traced_cast`), as cast_tiles makes them under torch.compile.
-def _traced_cast(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    if t.device.type == "cpu":
-        return _cpu_cast_tiles(t.detach(), kind, power_of_two)
-    return _cast_tiles(t, kind, power_of_two)
-
-
+# in the backward graph, through the autograd formula): `_traced_cast`.
 def _config(scaling: str, out_dtype: torch.dtype, override: List[bool]) -> GranularConfig:
     return GranularConfig(scaling, out_dtype, tuple(override))
 
