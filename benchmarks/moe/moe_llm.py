@@ -14,6 +14,8 @@ inductor and triton caches):
                        grouped_mm baseline an MoE user can also choose
   accelerate-ao        accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   fp8plug              fp8plug.Accelerator(mixed_precision="fp8")  (default recipe: grouped FP8 GEMM experts)
+  fp8plug-bf16weights  the same on the model cast to bfloat16 first (against bf16-bf16weights: the FP8 casts read
+                       bf16 weights, as a user training in pure bf16 has them)
   fp8plug-noexperts    the same with every experts module in modules_to_ignore (splits the gain: Linears vs experts)
   fp8plug-nofilter     the same with auto_filter=False: every aligned Linear and experts module in FP8, whatever
                        the speed filter predicts (checks its verdict: Qwen3-MoE's experts are predicted 0.70x)
@@ -72,6 +74,7 @@ BASES = {
     "bf16-bf16weights": ("accelerate", "bf16", dict(bf16_weights=True)),
     "accelerate-ao": ("accelerate", "fp8", {}),
     "fp8plug": ("fp8plug", "fp8", {}),
+    "fp8plug-bf16weights": ("fp8plug", "fp8", dict(bf16_weights=True)),
     "fp8plug-noexperts": ("fp8plug", "fp8", dict(ignore_experts=True)),
     "fp8plug-nofilter": ("fp8plug", "fp8", dict(auto_filter=False)),
     "fp8plug-nofilter-unfusedcasts": ("fp8plug", "fp8", dict(auto_filter=False, unfused_casts=True)),
@@ -233,9 +236,11 @@ def spawn(row: str, args, timeout: float) -> dict:
 
 def loss_vs_bf16(row: dict, ok: dict, ref: dict):
     """(row's loss - bf16's) / bf16's in %, against the bf16 row of the same compile mode where
-    there is one (else `ref`): FP8's cost in loss, apart from what compiling changes."""
+    there is one (else `ref`; a -bf16weights row against bf16-bf16weights): FP8's cost in loss, apart
+    from what compiling changes."""
     mode = row["row"].rsplit("-", 1)[1]
-    base = ok.get(f"bf16-{mode}") or ref
+    weights = "-bf16weights" if "-bf16weights-" in row["row"] else ""
+    base = ok.get(f"bf16{weights}-{mode}") or ref
     if not base or row.get("loss") is None or base.get("loss") is None:
         return None, None
     return 100.0 * (row["loss"] - base["loss"]) / base["loss"], base["row"]

@@ -60,6 +60,9 @@ class EngineRow:
         FP8 GPU the automatic choice ranks by it, an engine without a figure after those with one.
     costs: its roofline constants (fp8plug.tuning.roofline) by CUDA compute capability, measured
         with `costs_scaling`, the engine's default scaling; without them no automatic layer filter.
+    costs_also: other scalings the same constants predict (the same bytes moved per cast), so that
+        the filter stays on where the automatic choice runs the engine with one of them (`measured`'s
+        scaling).
     """
 
     name: str
@@ -68,6 +71,7 @@ class EngineRow:
     measured: Mapping[str, Speed] = field(default_factory=dict)
     costs: Mapping[Tuple[int, int], Costs] = field(default_factory=dict)
     costs_scaling: Optional[str] = None
+    costs_also: Tuple[str, ...] = ()
 
 
 # where the Speed figures come from, for `fp8plug env` and the selection's explanation; "compiled"
@@ -116,6 +120,11 @@ ENGINES: Dict[str, EngineRow] = {row.name: row for row in (
         costs={SM90: Costs(peak_tflops=1400.0, bandwidth_gbs=3150.0, overhead_us=62.3,
                            note=H200_CALIBRATION.format(err="4.5%"))},
         costs_scaling="delayed",
+        # per-tensor dynamic casts move the bytes the model counts (an amax read, the cast read, the
+        # FP8 writes) and tied delayed end to end; without this the automatic choice (dynamic) ran
+        # with no filter at all on sm_90 (found in session 22: Qwen3-MoE's experts, predicted 0.70x,
+        # ran FP8 at 0.66x bf16)
+        costs_also=("dynamic",),
     ),
 )}
 

@@ -31,11 +31,13 @@ BF16_COSTS: Dict[Tuple[int, int], Costs] = {
 
 def _calibrated(capability: Tuple[int, int]) -> Dict[str, Costs]:
     """bf16's and every engine's costs on `capability`, each engine under its name and under
-    "name:scaling" for the scaling they were measured with (its default)."""
+    "name:scaling" for the scaling they were measured with (its default) and those they also predict."""
     table = {BF16_KEY: BF16_COSTS[capability]}
     for row in ENGINES.values():
         if capability in row.costs:
-            table[row.name] = table[f"{row.name}:{row.costs_scaling}"] = row.costs[capability]
+            table[row.name] = row.costs[capability]
+            for scaling in (row.costs_scaling, *row.costs_also):
+                table[f"{row.name}:{scaling}"] = row.costs[capability]
     return table
 
 

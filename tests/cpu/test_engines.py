@@ -29,6 +29,14 @@ def test_roofline_costs_are_measured_at_the_engines_default_scaling(name):
     assert SM90[name] is SM90[f"{name}:{row.costs_scaling}"] is row.costs[(9, 0)]
 
 
+@pytest.mark.parametrize("name", [n for n in BACKENDS if ENGINES[n].costs])
+def test_roofline_costs_cover_the_scaling_the_automatic_choice_runs(name):
+    """Where the automatic choice tunes an engine to a measured scaling, the filter has its costs."""
+    for speed in ENGINES[name].measured.values():
+        if speed.scaling is not None:
+            assert SM90[f"{name}:{speed.scaling}"] is ENGINES[name].costs[(9, 0)]
+
+
 def test_the_base_class_defines_no_optional_capability():
     assert not [name for name in OPTIONAL if hasattr(Engine, name)]
     assert not offers(Engine(), "prepare")

@@ -70,3 +70,19 @@ def test_eager_cuda_only_and_never_inside_torch_compile():
 
     inside(torch.zeros(2))
     assert seen == [True]  # what usable() reads: a compiled model traces grouped.py's torch ops instead
+
+
+def test_a_cast_past_its_compile_limit_runs_unfused_with_one_warning(monkeypatch, caplog):
+    # each weight shape is an entry of the compiled cast; a process that builds many MoE models
+    # (a test session) passed dynamo's 8 and, under fullgraph, failed. Limit 1 here: the second
+    # shape runs as torch ops, the same bytes, and says so once.
+    monkeypatch.setattr(grouped_cast, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(grouped_cast, "_OVER_LIMIT", set())
+    monkeypatch.setitem(grouped_cast._COMPILED, grouped_cast._weight_forward,
+                        torch.compile(grouped_cast._weight_forward, fullgraph=True, dynamic=False, backend="eager"))
+    first, second, third = _weight(), _weight()[:, :16], _weight()[:, :8]
+    with caplog.at_level("WARNING", logger="fp8plug"):
+        for w in (first, second, third, first):
+            _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
+    warnings = [r for r in caplog.records if "compiled 1 shapes" in r.getMessage()]
+    assert len(warnings) == 1 and "_weight_forward" in warnings[0].getMessage()

@@ -242,6 +242,20 @@ def test_auto_filter_converts_every_linear_of_the_probe_and_1b_models():
             assert speed_filter(_linear(k, n), f"{k}x{n}"), (backend, speed_filter.decisions)
 
 
+def test_auto_filter_is_on_for_the_automatic_choice_on_sm90():
+    """The Accelerator tunes an automatically chosen engine to the scaling it was measured fastest
+    with (native: dynamic); the filter must still find costs for it. Until session 22 it did not,
+    so on an H100 the default run had no filter (Qwen3-MoE's experts ran FP8 at 0.66x bf16)."""
+    from fp8plug.backends import select_backend
+
+    for compiled in (True, None, False):
+        selection = select_backend(None, device=H100, compiled=compiled, scaling=None)
+        recipe = selection.tune(FP8RecipeKwargs())
+        speed_filter = auto_filter(recipe, selection.name, H100)
+        assert speed_filter is not None, (selection.name, recipe.scaling)
+        assert not speed_filter(_linear(2048, 512), "k_proj") and speed_filter(_linear(4096, 4096), "q_proj")
+
+
 def test_auto_filter_only_where_measured():
     assert auto_filter(FP8RecipeKwargs(backend="te", scaling="block"), "te", H100) is None
     assert auto_filter(FP8RecipeKwargs(backend="msamp"), "msamp", H100) is None

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="fp8plug's FP8 experts (torch._scaled_grouped_mm, rowwise) need sm_90")
 
+_TRANSFORMERS = tuple(int(part) for part in __import__("transformers").__version__.split(".")[:2])
 SIZES = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, max_position_embeddings=128)
 MODELS = {"mixtral": dict(intermediate_size=128),
           "qwen3_moe": dict(intermediate_size=256, moe_intermediate_size=128, head_dim=64)}
@@ -62,8 +63,14 @@ def directories(request, tmp_path_factory):
 
 @pytest.mark.parametrize("layout, mode", [("block", "fp8_kernels"), ("block", "dequantize"),
                                           ("per_tensor", "dequantize")])
-def test_transformers_loads_the_fp8_experts(directories, layout, mode, tmp_path):
+def test_transformers_loads_the_fp8_experts(directories, layout, mode, tmp_path, request):
     reference, fp8_dirs, prompt = directories
+    if request.node.callspec.params["directories"] == "mixtral" and mode == "dequantize" and _TRANSFORMERS < (5, 24):
+        # transformers 5.17 (the GPU machine's) leaves Mixtral's renamed router weight in the checkpoint's
+        # float32 under FineGrainedFP8Config while the rest loads in bf16, so its forward fails
+        # (reproduced on the CPU; 5.24 loads it in bf16); docs/moe.md gives the user's workaround
+        request.applymarker(pytest.mark.xfail(reason="transformers < 5.24 keeps Mixtral's router in float32 "
+                                                     "under FineGrainedFP8Config", strict=False))
     result = load_with_transformers(reference, fp8_dirs[layout], layout, mode, prompt, tmp_path)
     if mode == "fp8_kernels":  # the experts are transformers' FP8 experts, holding FP8 weights
         assert result["experts"] == ("FP8Experts", "torch.float8_e4m3fn"), result["experts"]

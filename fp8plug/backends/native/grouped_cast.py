@@ -31,9 +31,13 @@ weight alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for 32 laye
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, Tuple
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
+
+logger = logging.getLogger("fp8plug")
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -113,6 +117,30 @@ def compiled(function: Callable) -> Callable:
     return done
 
 
+# Each role keeps one compiled entry per weight shape and per dispatch-key set (a parameter cast
+# eagerly and the same weight inside a compiled model's operator differ), so a process that trains
+# several models (a test session, a sweep) passed dynamo's default of 8 entries per function, which
+# under fullgraph is an error (seen on an H200: the ninth tiny MoE of a pytest run failed). The casts
+# get a limit of their own; past it they run as the torch ops they compile (the same bytes), with one
+# warning.
+RECOMPILE_LIMIT = 64
+_OVER_LIMIT: set = set()
+
+
+def _run(function: Callable, *args):
+    """`function`'s compiled form on `args`; the function itself once its compiled entries are full."""
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(function)(*args)
+    except FailOnRecompileLimitHit:
+        if function not in _OVER_LIMIT:
+            _OVER_LIMIT.add(function)
+            logger.warning("fp8plug: the fused expert cast %s has compiled %d shapes in this process; further "
+                           "shapes run it as unfused torch ops (the same values, slower)", function.__name__,
+                           RECOMPILE_LIMIT)
+        return function(*args)
+
+
 _READY = None
 
 
@@ -132,23 +160,23 @@ def usable(t: torch.Tensor) -> bool:
 
 def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward's weight [E, N, K] cast rowwise along K."""
-    return compiled(_weight_forward)(w_nk)
+    return _run(_weight_forward, w_nk)
 
 
 def weight_input_grad(w_kn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The input gradient's weight, [E, K, N] (a transposed view of [E, N, K]), cast along N,
     written contiguous."""
-    return compiled(_weight_input_grad)(w_kn)
+    return _run(_weight_input_grad, w_kn)
 
 
 def tokens(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """A padded token operand [P, C] (input or output gradient) cast per row."""
-    return compiled(_tokens)(t)
+    return _run(_tokens, t)
 
 
 def weight_grad_operand(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """An operand of the weight gradient, per group and column, transposed."""
-    return compiled(_weight_grad_operand)(t, group, experts)
+    return _run(_weight_grad_operand, t, group, experts)
 
 
 __all__ = ["tokens", "usable", "weight_forward", "weight_grad_operand", "weight_input_grad"]
