@@ -18,6 +18,7 @@ def env_report(device=None) -> str:
     import torch
 
     from fp8plug.backends import BackendUnavailableError, select_backend
+    from fp8plug.recipe.kwargs import FP8RecipeKwargs
     from fp8plug.tuning.hardware import device_info, parse_device
 
     info = device_info(parse_device(device))
@@ -38,7 +39,9 @@ def env_report(device=None) -> str:
             ranked = select_backend(None, info, compiled=compiled)
             if ranked.mode:
                 lines.append(f"  for a {ranked.mode} model: {ranked.summary()}")
-        status = (auto_filter_status(selection.name, info) if settings_problem is None
+        chosen = select_backend(None, info, compiled=None)  # as fp8plug.Accelerator chooses, scaling tuned
+        status = (auto_filter_status(chosen.name, info, chosen.tune(FP8RecipeKwargs()).scaling)
+                  if settings_problem is None
                   else "not judged: the FP8 settings above are bad")
         lines.append(f"auto_filter  {status}")
     except BackendUnavailableError as exc:
@@ -133,13 +136,14 @@ def fp8_gemm_status(info) -> str:
     return speed.describe()
 
 
-def auto_filter_status(backend: str, info) -> str:
-    """Whether FP8RecipeKwargs' default speed filter would act for `backend` on this device."""
+def auto_filter_status(backend: str, info, scaling: Optional[str] = None) -> str:
+    """Whether FP8RecipeKwargs' default speed filter would act for `backend` (at `scaling`, the one
+    the automatic choice tunes it to) on this device."""
     from fp8plug.recipe.kwargs import FP8RecipeKwargs
     from fp8plug.tuning.roofline import AUTO_MIN_SPEEDUP, auto_filter
 
     try:
-        speed_filter = auto_filter(FP8RecipeKwargs(backend=backend), backend, info)
+        speed_filter = auto_filter(FP8RecipeKwargs(backend=backend, scaling=scaling), backend, info)
     except ValueError as exc:  # FP8PLUG_AUTO_FILTER=true where no calibration exists
         return f"asked for, but: {exc}"
     if speed_filter is None:
