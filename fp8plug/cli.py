@@ -39,8 +39,8 @@ def env_report(device=None) -> str:
             ranked = select_backend(None, info, compiled=compiled)
             if ranked.mode:
                 lines.append(f"  for a {ranked.mode} model: {ranked.summary()}")
-        chosen = select_backend(None, info, compiled=None)  # as fp8plug.Accelerator chooses, scaling tuned
-        status = (auto_filter_status(chosen.name, info, chosen.tune(FP8RecipeKwargs()).scaling)
+        # at the scaling the choice tunes the engine to, as fp8plug.Accelerator runs it
+        status = (auto_filter_status(selection.name, info, selection.tune(FP8RecipeKwargs()).scaling)
                   if settings_problem is None
                   else "not judged: the FP8 settings above are bad")
         lines.append(f"auto_filter  {status}")
