@@ -4,8 +4,7 @@ Why: a layer whose activations grow outliers, or whose delayed scale lags its te
 precision silently; the loss shows it thousands of steps later. So, on a watch step only, every
 converted Linear's forward hook reads its input and weight and puts a tensor hook on its output
 (the gradient arriving at it); on other steps the hook returns at once (compiled: it is not in
-the graph at all, see `arm`; on a watch step two opaque custom ops do the hook's work inside the
-graph, fp8plug.numerics.tap, so that watching costs no graph break). Each operand is
+the graph at all, see `arm`, and the watch step itself runs eagerly: `_EagerWatchStep`). Each operand is
 re-quantized as the layer's scaling implies (fp8plug.numerics.emulate: the engine's own scale
 where it offers `operand_scales`, else the current amax's) to measure its amax, the fraction
 flushed to zero and the fraction saturated, and a sample of rows (`SAMPLE_ROWS`) is multiplied
@@ -44,6 +43,52 @@ OPERANDS = ("input", "weight", "grad_output")
 _WATCHES: "weakref.WeakKeyDictionary[nn.Module, NumericsWatch]" = weakref.WeakKeyDictionary()
 
 
+def eager_stance():
+    """Until the returned stance is exited, torch.compile runs only what it has already compiled
+    and runs anything else eagerly (torch.compiler.set_stance("eager_on_recompile")); None where
+    that cannot be set: a torch without set_stance, or inside a compiled region."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        return set_stance("eager_on_recompile")
+    except RuntimeError:  # inside a torch.compile region
+        return None
+
+
+class _EagerWatchStep:
+    """The watch step of a compiled model runs eagerly: from the end of the step before a check
+    to the end of the check's step, `eager_stance` holds (where that step ran a compiled graph).
+
+    Why: armed, a compiled model's hooks fail its graph's guard (`armed`), and compiling a graph
+    for the watch step cost a whole model's compile at the first check (96 s for the 162M Llama of
+    benchmarks/training/real_text.py on an H200, 2026-11-27) against an eager step's fraction of a
+    second; the ordinary steps keep their graph either way. Inside the window nothing new is
+    compiled anywhere in the process (it runs eagerly instead), so the window is closed when the
+    step ends, when the watch is closed and when the model is collected. With a check every step
+    there is no ordinary step to keep: the armed graph is compiled (whole: fp8plug.numerics.tap),
+    as it is where the stance cannot be set."""
+
+    def __init__(self):
+        self.stance = None
+
+    told = False  # the log line, once per process
+
+    def open(self) -> None:
+        if self.stance is None:
+            self.stance = eager_stance()
+            if self.stance is not None and not _EagerWatchStep.told:
+                _EagerWatchStep.told = True
+                logger.info("fp8plug: numerics watch steps run eagerly under torch.compile: from the end of the step "
+                            "before a check to the end of the check's step, torch.compile runs only what it has "
+                            "compiled already (docs/numerics.md)")
+
+    def close(self) -> None:
+        stance, self.stance = self.stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)  # back to the stance the window found
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A tensor the watch can compute with: a sharded (DTensor) weight gathered whole, detached."""
     full = getattr(t, "full_tensor", None)
@@ -57,6 +102,8 @@ class _GatedHook:
         self.watch, self.fqn = watch, fqn
 
     def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling():  # traced, this is False and leaves nothing in the graph
+            self.watch.ran_eagerly = True
         if self.watch.armed:
             return self.watch._on_forward(self.fqn, module, args, output)
         return None
@@ -84,6 +131,9 @@ class NumericsWatch:
         self.checks = 0
         self.handles: List = []  # (module, hook handle)
         self.armed = False
+        self._eager_step = _EagerWatchStep()
+        self.ran_eagerly = False  # a hook ran outside a compiled graph since the last step ended
+        weakref.finalize(model, self._eager_step.close)
         self.records: Dict[str, Dict[str, float]] = {}
         self._scales: Dict[str, dict] = {}  # per layer watched this step: the scales its forward cast with
         self._token = tap.register(self)
@@ -126,17 +176,21 @@ class NumericsWatch:
             if id(module) not in hooked:
                 self.handles.append((module, module.register_forward_hook(_GatedHook(self, fqn))))
 
-    def arm(self) -> None:
-        """Watch the coming step."""
+    def arm(self, compiled: bool = False) -> None:
+        """Watch the coming step; `compiled`: the last step ran the model as a compiled graph
+        (its hooks never ran eagerly), so the watch step runs eagerly (`_EagerWatchStep`)."""
         self.records, self._scales = {}, {}
         self.hook_layers()  # a layer the guard moved to another FP8 scaling is a new module
         self.armed = True
+        if compiled and self.interval > 1:
+            self._eager_step.open()
 
     def disarm(self) -> None:
         self.armed = False
+        self._eager_step.close()
 
     def remove_hooks(self) -> None:
-        self.armed = False
+        self.disarm()
         for _, handle in self.handles:
             handle.remove()
         self.handles = []
@@ -239,11 +293,12 @@ class NumericsWatch:
         """After each optimizer step that trains the model (fp8plug.backends.steps.after_step): on
         a watch step, finish the check; before one, arm the hooks."""
         self.step += 1
+        compiled, self.ran_eagerly = not self.ran_eagerly, False
         if self.armed:
             self.disarm()
             self._finish()
         if self._due(self.step + 1):
-            self.arm()
+            self.arm(compiled)
 
     def _finish(self) -> None:
         records, self.records, self._scales = self.records, {}, {}

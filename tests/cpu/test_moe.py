@@ -98,6 +98,32 @@ def test_grouped_gemm_gradients_in_fp8_against_float():
     torch.testing.assert_close(gx, exact, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_converted_weight_gradient_made_in_pieces_equals_the_whole_one(monkeypatch, transposed):
+    """bf16 activations and float32 master weights (the Accelerate user's setting): the weight
+    gradient is computed in pieces of output rows, each converted to float32 as it comes (the
+    step's peak memory); bit for bit the gradient of one piece, and in the weight's layout."""
+    torch.manual_seed(0)
+    k, n = 32, 80
+    x = torch.randn(sum(GROUP_SIZES), k).to(torch.bfloat16)
+    w = torch.randn(len(GROUP_SIZES), n, k)
+    stored = (w.transpose(-2, -1).contiguous() if transposed else w).requires_grad_()
+    grad = torch.randn(sum(GROUP_SIZES), n).to(torch.bfloat16)
+
+    def weight_gradient(piece_bytes):
+        monkeypatch.setattr(grouped, "WEIGHT_GRADIENT_PIECE_BYTES", piece_bytes)
+        out = grouped.grouped_fp8_linear(x, stored, _offsets(GROUP_SIZES), transposed=transposed)
+        return torch.autograd.grad(out, stored, grad)[0]
+
+    whole = weight_gradient(2**40)
+    pieces = weight_gradient(len(GROUP_SIZES) * k * 2 * 32)  # 32 rows a piece: 80 rows in three pieces
+    assert whole.dtype == pieces.dtype == torch.float32 and pieces.shape == stored.shape
+    assert torch.equal(pieces, whole)
+    reference = torch.autograd.grad(_per_expert(x.float(), w.requires_grad_(), GROUP_SIZES, lambda a, b: a @ b.t()),
+                                    w, grad.float())[0]
+    assert sqnr_db(pieces, reference.transpose(-2, -1) if transposed else reference) > 25
+
+
 def test_a_non_finite_input_row_stays_visible():
     x = torch.randn(sum(GROUP_SIZES), 32)
     x[3, 0] = float("inf")

@@ -1,9 +1,10 @@
 """The numerics watch in a model compiled after prepare (issue #41): watch steps must not cost
 the ordinary steps their compiled graph. A model of nested blocks is compiled with a counting
-backend over aot_eager; the watch runs every other step. The armed step must compile at most one
-more graph, without graph breaks, once per run; every ordinary step must run the very graph the
-first one ran; and each check must report what the eager watch reports for the same run (up to
-the drift of bf16 rounding between compiled and eager)."""
+backend over aot_eager; the watch runs every other step. A watch step runs eagerly (torch's
+eager_on_recompile stance: no compile for it at all) or, where that stance cannot be set, compiles one
+more graph, without graph breaks, once per run; either way every ordinary step must run the very
+graph the first one ran, and each check must report what the eager watch reports for the same
+run (up to the drift of bf16 rounding between compiled and eager)."""
 
 import math
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
+from fp8plug.numerics import watch as watch_module
 from fp8plug.numerics.watch import watch_of
 from tests.support.hf import fresh
 from tests.support.threads import one_thread  # noqa: F401 - autouse: one torch thread
@@ -87,27 +89,40 @@ def train(compiled: bool, steps=7, interval=2, engine="native", device="cpu", in
         ran.append({i for i, n in enumerate(backend.calls) if n > (before[i] if i < len(before) else 0)})
         broke.append(sum(breaks.values()) - breaks_before)
     layers = [fqn for fqn, _ in watch_of(model).layers()]
+    watch_of(model).close()  # the 7th step armed the 8th: its eager window closed (the stance put back)
     return checks, ran, broke, backend.graphs, layers
 
 
-def check_graphs(checks, ran, broke, graphs):
-    """The watch steps are the 2nd, 4th, 6th; no graph break; the armed graph compiled once; the
-    ordinary steps run the first step's graphs throughout."""
+def check_graphs(checks, ran, broke, graphs, eager_watch=True):
+    """The watch steps are the 2nd, 4th, 6th; no graph break; the ordinary steps run the first
+    step's graphs throughout. `eager_watch`: the watch steps run no graph (force_eager) and
+    nothing more is compiled; else they run one armed graph, compiled once."""
     watched = [bool(c) for c in checks]
     assert watched == [False, True, False, True, False, True, False]
-    # no graph break anywhere; one graph more for the whole run than the first step compiled (the
-    # armed step's model graph; accelerate's wrapper around the model compiles a graph of its own)
     assert broke == [0] * 7
     ordinary, armed = ran[0], ran[1]
-    assert graphs == len(ordinary) + 1
-    assert len(armed - ordinary) == 1 and len(ordinary - armed) == 1
+    if eager_watch:
+        assert armed < ordinary and graphs == len(ordinary)
+    else:
+        # one graph more for the whole run than the first step compiled (the armed step's model
+        # graph; accelerate's wrapper around the model compiles a graph of its own)
+        assert graphs == len(ordinary) + 1
+        assert len(armed - ordinary) == 1 and len(ordinary - armed) == 1
     # every ordinary step runs the graphs the first one ran, every watch step the same armed ones
     assert ran == [armed if w else ordinary for w in watched]
 
 
-def test_compiled_watch_keeps_the_ordinary_steps_graph():
+def without_eager_stance(monkeypatch):
+    """The watch as it runs where torch.compiler.set_stance cannot be set: the armed graph compiled."""
+    monkeypatch.setattr(watch_module, "eager_stance", lambda: None)
+
+
+@pytest.mark.parametrize("eager_watch", [True, False])
+def test_compiled_watch_keeps_the_ordinary_steps_graph(monkeypatch, eager_watch):
+    if not eager_watch:
+        without_eager_stance(monkeypatch)
     checks, ran, broke, graphs, layers = train(compiled=True)
-    check_graphs(checks, ran, broke, graphs)
+    check_graphs(checks, ran, broke, graphs, eager_watch)
     # every layer reported, finite SQNRs, and the same numbers as the eager watch's
     eager_checks, _, _, _, eager_layers = train(compiled=False)
     assert layers == eager_layers and len(layers) == 7
@@ -127,3 +142,27 @@ def test_compiled_watch_keeps_the_ordinary_steps_graph():
                 assert value == pytest.approx(expected[key], rel=0.1), key
             else:
                 assert abs(value - expected[key]) < 2e-3, key
+
+
+def test_the_watch_step_stance_is_the_watch_steps_only():
+    """Armed after a step that ran the model compiled, the watch sets torch's eager_on_recompile
+    stance (after an eager step it does not); disarmed or closed, it puts back the stance it found."""
+    stance = torch._dynamo.eval_frame._stance
+    fresh()
+    accelerator = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[
+        FP8RecipeKwargs(backend="native", numerics_watch_interval=2)])
+    model, optimizer = accelerator.prepare(Stack(), torch.optim.AdamW(Stack().parameters()))
+    watch = watch_of(model)
+    assert stance.stance == "default" and not watch.armed
+    model(torch.randn(4, 64))  # an eager model: its watch steps need no window
+    watch.end_step()
+    assert watch.armed and torch._dynamo.eval_frame._stance.stance == "default"
+    watch.end_step()
+    watch.end_step()  # a step that ran no hook eagerly (a compiled graph's) armed the next: the window
+    assert watch.armed and torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
+    watch.end_step()
+    assert not watch.armed and torch._dynamo.eval_frame._stance.stance == "default"
+    watch.end_step()
+    assert torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
+    watch.close()
+    assert torch._dynamo.eval_frame._stance.stance == "default"

@@ -57,6 +57,33 @@ def test_three_grouped_gemms_match_the_emulation_and_float64(transposed):
         assert sqnr_db(gpu, want) > 25, name
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_float32_weight_gradient_made_in_pieces_matches_the_whole_one(monkeypatch, transposed):
+    """Float32 master weights: the kernel's bf16 weight gradient is made and converted in pieces of
+    output rows (grouped.WEIGHT_GRADIENT_PIECE_BYTES, the peak-memory fix); the same gradient as in
+    one piece, and as float64's."""
+    torch.manual_seed(0)
+    k, n = 256, 512
+    offs = torch.tensor(SIZES, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(SIZES), k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(SIZES), n, k, device="cuda") * 0.05
+    stored = (w.transpose(-2, -1).contiguous() if transposed else w).requires_grad_()
+    g = torch.randn(sum(SIZES), n, device="cuda", dtype=torch.bfloat16)
+
+    def weight_gradient(piece_bytes):
+        monkeypatch.setattr(grouped, "WEIGHT_GRADIENT_PIECE_BYTES", piece_bytes)
+        out = grouped.grouped_fp8_linear(x, stored, offs, transposed=transposed)
+        return torch.autograd.grad(out, stored, g)[0]
+
+    whole = weight_gradient(2**40)
+    pieces = weight_gradient(len(SIZES) * k * 2 * 128)  # 128 rows a piece: four pieces
+    assert pieces.dtype == torch.float32 and pieces.shape == stored.shape
+    assert rel_error(pieces, whole) < 1e-3
+    w64 = w.double().requires_grad_()
+    ref = torch.autograd.grad(_per_expert(x.double(), w64, lambda a, b: a @ b.t()), w64, g.double())[0]
+    assert sqnr_db(pieces, ref.transpose(-2, -1) if transposed else ref) > 25
+
+
 def _train(model, steps, compiled=False, ids=None):
     fresh()
     accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="native")])

@@ -249,24 +249,63 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transpos
 
 def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
               need_x: bool, need_w: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(grad_x or None, grad_w or None): each GEMM only where its result is needed."""
+    """(grad_x or None, grad_w or None): each GEMM only where its result is needed.
+
+    Ordered for the peak: an MoE model's memory peaks in the backward of its first layer's expert
+    projections, where nearly every parameter gradient already exists. So each FP8 operand is
+    freed as soon as its GEMM has run, and the weight gradient is made last and, where it is
+    converted, in pieces (`_weight_gradient`)."""
     layout = group_layout(offs, x.shape[0])
-    g = pad_groups(grad_out.contiguous(), layout)
+    grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     grad_x = grad_w = None
     if need_x:
+        g_fp8, g_inv = cast_tokens(pad_groups(grad_out, layout))
         w_nk = weight.transpose(-2, -1) if transposed else weight
-        g_fp8, g_inv = cast_tokens(g)
         w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk.transpose(-2, -1))  # [E, K, N], a scale per (expert, k)
         grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, out_dtype, False)
-        del g_fp8, w_kn_fp8  # freed before the weight gradient's casts and GEMM (0.9 GB a Mixtral gate_up)
+        del g_fp8, w_kn_fp8  # 0.5 and 0.9 GB a Mixtral gate_up
         grad_x = unpad_groups(grad_x, layout).to(x.dtype)
     if need_w:
-        g_t, g_t_inv = cast_weight_grad_operand(g, layout)  # [N, P]
         x_t, x_t_inv = cast_weight_grad_operand(pad_groups(x, layout), layout)  # [K, P]
-        grad_w = scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)  # [E, N, K]
-        grad_w = (grad_w.transpose(-2, -1) if transposed else grad_w).to(weight.dtype)
+        grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, weight, transposed, out_dtype)
     return grad_x, grad_w
+
+
+# The most bytes of the kernel's bf16 output made at once while the weight gradient is converted to
+# the weight's dtype (float32 master weights): a Mixtral gate_up gradient is 1.9 GB in bf16 beside
+# its 3.8 GB float32 copy, at the moment of the step's peak memory. On an H200 three pieces' outputs
+# were live at that moment, so the pieces are small: a Mixtral gate_up's weight gradient is 28
+# GEMMs of 1024 output rows, each still 140 GFLOP. Measured there (Mixtral shape, 2 layers, compiled;
+# docs/moe.md): the step peaked at 53.0 GB against Accelerate bf16's 53.4 (57.9 in one piece), and
+# the pieces' own casts cost about a tenth of the step.
+WEIGHT_GRADIENT_PIECE_BYTES = 64 * 2**20
+
+
+def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor, layout: GroupLayout,
+                     weight: torch.Tensor, transposed: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient [E, N, K] (or [E, K, N] with `transposed`) in the weight's dtype, from the
+    output gradient [S, N] and the input's FP8 operand x_t [K, P]. Where the kernel's bf16 output
+    must be converted, it is made in pieces of output rows (columns of grad_out), each piece's FP8
+    operand cast from its own columns and its product converted into the gradient as it comes:
+    neither the whole bf16 gradient nor the whole FP8 operand (0.5 GB a Mixtral gate_up) then
+    exists beside the float32 gradient. The same values as in one piece: a column's scale is its
+    own group's amax, and every output element is one piece's sum over P."""
+
+    def product(columns: slice) -> torch.Tensor:  # [E, len(columns), K] in out_dtype
+        g_t, g_t_inv = cast_weight_grad_operand(pad_groups(grad_out[:, columns], layout), layout)
+        return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
+
+    if out_dtype == weight.dtype:
+        grad = product(slice(None))
+        return grad.transpose(-2, -1) if transposed else grad
+    grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    grad_nk = grad.transpose(-2, -1) if transposed else grad
+    n, row_bytes = grad_out.shape[1], layout.experts * x_t.shape[0] * torch.finfo(out_dtype).bits // 8
+    rows = max(GROUP_ALIGNMENT, WEIGHT_GRADIENT_PIECE_BYTES // row_bytes // GROUP_ALIGNMENT * GROUP_ALIGNMENT)
+    for start in range(0, n, rows):
+        grad_nk[:, start:start + rows].copy_(product(slice(start, start + rows)))
+    return grad
 
 
 class _GroupedFP8Linear(torch.autograd.Function):
@@ -333,9 +372,14 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
                        transposed: bool = False) -> torch.Tensor:
     """The grouped FP8 projection: x [S, K] sorted by expert, `offs` the groups' ends ([E] int32),
     weight [E, N, K] (or [E, K, N] with `transposed`, GPT-OSS's layout) -> [S, N] in the autocast
-    dtype where autocast is on (as a Linear's output under autocast), else in x's dtype."""
+    dtype where autocast is on (as a Linear's input and output under autocast), else in x's dtype."""
     autocast = torch.is_autocast_enabled(x.device.type)
     result_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if autocast and x.dtype == torch.float32:
+        # read as a Linear under autocast reads it: x is quantized to FP8 either way (bf16's rounding
+        # is 2^-9, e4m3's 2^-4), and the x kept for the weight gradient is then half the bytes (a
+        # float32 residual stream hands transformers' experts float32 tokens)
+        x = x.to(result_dtype)
     if compiled_ops.compiling():
         return _grouped_op(x, weight, offs.to(torch.int32), transposed, result_dtype)
     return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed, result_dtype)
