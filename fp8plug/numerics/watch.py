@@ -69,10 +69,10 @@ class _EagerWatchStep:
     there is no ordinary step to keep: the armed graph is compiled (whole: fp8plug.numerics.tap),
     as it is where the stance cannot be set."""
 
+    told = False  # the log line, once per process
+
     def __init__(self):
         self.stance = None
-
-    told = False  # the log line, once per process
 
     def open(self) -> None:
         if self.stance is None:
