@@ -10,6 +10,9 @@ the compiled graph (2.2x slower on an H100), and the watch step itself recompile
 Here the armed hook calls `numerics_tap(output, input, token, fqn)` instead, a custom op dynamo
 and AOTAutograd keep as one opaque call in the graph: no break, so the armed step is one more
 graph, compiled once (`armed` is a guard of the graph), and the ordinary steps keep theirs.
+Since compiling that graph costs a whole model's compile, a compiled model's watch step normally
+runs eagerly instead (fp8plug.numerics.watch, `_EagerWatchStep`); these ops are what runs where
+it cannot: a check every step, or a torch without `torch.compiler.set_stance`.
 At run time the op's body is plain eager Python: it hands the layer's input to its watch, which
 measures it (and the weight, with the scales the layer casts with now) exactly as the eager path
 does, and returns a copy of the output. Its backward is a second opaque op, `numerics_grad_tap`,
