@@ -264,7 +264,7 @@ def run_row(row: str, args, spec: dict, deadline: float) -> dict:
     result.update(train_loss=losses, eval_curve=curve, final_eval_loss=curve[-1][1] if curve else None,
                   step_ms=1e3 * step_s if step_s else None, tokens_per_s=tokens / step_s if step_s else None,
                   watch_step_ms=1e3 * sum(watch_times) / len(watch_times) if watch_times else None,
-                  watch_steps_ms=[round(1e3 * t, 1) for t in watch_times],  # each check: the first compiles
+                  watch_steps_ms=[round(1e3 * t, 1) for t in watch_times],  # each check's own time
                   spikes=spikes(losses), steps_done=len(losses))
     if hasattr(accelerator, "fp8_coverage"):
         result["engine"] = accelerator.fp8_engine.name if accelerator.fp8_engine is not None else None

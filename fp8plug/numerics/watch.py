@@ -102,7 +102,7 @@ class _GatedHook:
         self.watch, self.fqn = watch, fqn
 
     def __call__(self, module, args, output):
-        if not torch.compiler.is_compiling():  # traced, this is False and leaves nothing in the graph
+        if not torch.compiler.is_compiling():  # traced, this branch is dropped: nothing of it in the graph
             self.watch.ran_eagerly = True
         if self.watch.armed:
             return self.watch._on_forward(self.fqn, module, args, output)

@@ -95,8 +95,10 @@ def train(compiled: bool, steps=7, interval=2, engine="native", device="cpu", in
 
 def check_graphs(checks, ran, broke, graphs, eager_watch=True):
     """The watch steps are the 2nd, 4th, 6th; no graph break; the ordinary steps run the first
-    step's graphs throughout. `eager_watch`: the watch steps run no graph (force_eager) and
-    nothing more is compiled; else they run one armed graph, compiled once."""
+    step's graphs throughout. `eager_watch`: the watch steps run the model eagerly (the
+    eager_on_recompile stance: of the ordinary graphs only those whose guards still hold run,
+    accelerate's wrapper's) and nothing more is compiled; else they run one armed graph, compiled
+    once."""
     watched = [bool(c) for c in checks]
     assert watched == [False, True, False, True, False, True, False]
     assert broke == [0] * 7
@@ -147,13 +149,12 @@ def test_compiled_watch_keeps_the_ordinary_steps_graph(monkeypatch, eager_watch)
 def test_the_watch_step_stance_is_the_watch_steps_only():
     """Armed after a step that ran the model compiled, the watch sets torch's eager_on_recompile
     stance (after an eager step it does not); disarmed or closed, it puts back the stance it found."""
-    stance = torch._dynamo.eval_frame._stance
     fresh()
     accelerator = fp8plug.Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[
         FP8RecipeKwargs(backend="native", numerics_watch_interval=2)])
     model, optimizer = accelerator.prepare(Stack(), torch.optim.AdamW(Stack().parameters()))
     watch = watch_of(model)
-    assert stance.stance == "default" and not watch.armed
+    assert torch._dynamo.eval_frame._stance.stance == "default" and not watch.armed
     model(torch.randn(4, 64))  # an eager model: its watch steps need no window
     watch.end_step()
     assert watch.armed and torch._dynamo.eval_frame._stance.stance == "default"

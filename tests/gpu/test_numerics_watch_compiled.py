@@ -1,6 +1,6 @@
 """The numerics watch in a model compiled with inductor after prepare, on the GPU, for the
 engines whose layers dynamo traces (native, ao): watch steps cost no graph break, run eagerly (or,
-where torch's force_eager stance cannot be set, compile the armed graph once), and leave the
+where torch's eager_on_recompile stance cannot be set, compile the armed graph once), and leave the
 ordinary steps their graph (tests/cpu/test_numerics_watch_compiled.py on the CPU with aot_eager)."""
 
 import math
