@@ -258,9 +258,12 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
     layout = group_layout(offs, x.shape[0])
     grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
+    # the padded output gradient, made once where both GEMMs read it whole; where the weight
+    # gradient is made in pieces, each pads its own columns and this copy is dropped once cast
+    g = pad_groups(grad_out, layout) if need_x and need_w and out_dtype == weight.dtype else None
     grad_x = grad_w = None
     if need_x:
-        g_fp8, g_inv = cast_tokens(pad_groups(grad_out, layout))
+        g_fp8, g_inv = cast_tokens(g if g is not None else pad_groups(grad_out, layout))
         w_nk = weight.transpose(-2, -1) if transposed else weight
         w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk.transpose(-2, -1))  # [E, K, N], a scale per (expert, k)
         grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, out_dtype, False)
@@ -268,7 +271,7 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
         grad_x = unpad_groups(grad_x, layout).to(x.dtype)
     if need_w:
         x_t, x_t_inv = cast_weight_grad_operand(pad_groups(x, layout), layout)  # [K, P]
-        grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, weight, transposed, out_dtype)
+        grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, weight, transposed, out_dtype, padded=g)
     return grad_x, grad_w
 
 
@@ -283,28 +286,30 @@ WEIGHT_GRADIENT_PIECE_BYTES = 64 * 2**20
 
 
 def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor, layout: GroupLayout,
-                     weight: torch.Tensor, transposed: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                     weight: torch.Tensor, transposed: bool, out_dtype: torch.dtype,
+                     padded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight gradient [E, N, K] (or [E, K, N] with `transposed`) in the weight's dtype, from the
     output gradient [S, N] and the input's FP8 operand x_t [K, P]. Where the kernel's bf16 output
     must be converted, it is made in pieces of output rows (columns of grad_out), each piece's FP8
     operand cast from its own columns and its product converted into the gradient as it comes:
     neither the whole bf16 gradient nor the whole FP8 operand (0.5 GB a Mixtral gate_up) then
     exists beside the float32 gradient. The same values as in one piece: a column's scale is its
-    own group's amax, and every output element is one piece's sum over P."""
+    own group's amax, and every output element is one piece's sum over P. `padded`: grad_out
+    already padded, where the caller has it (read whole)."""
 
-    def product(columns: slice) -> torch.Tensor:  # [E, len(columns), K] in out_dtype
-        g_t, g_t_inv = cast_weight_grad_operand(pad_groups(grad_out[:, columns], layout), layout)
+    def product(padded_columns: torch.Tensor) -> torch.Tensor:  # [P, n] -> [E, n, K] in out_dtype
+        g_t, g_t_inv = cast_weight_grad_operand(padded_columns, layout)
         return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
 
     if out_dtype == weight.dtype:
-        grad = product(slice(None))
+        grad = product(padded if padded is not None else pad_groups(grad_out, layout))
         return grad.transpose(-2, -1) if transposed else grad
     grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
     grad_nk = grad.transpose(-2, -1) if transposed else grad
     n, row_bytes = grad_out.shape[1], layout.experts * x_t.shape[0] * torch.finfo(out_dtype).bits // 8
     rows = max(GROUP_ALIGNMENT, WEIGHT_GRADIENT_PIECE_BYTES // row_bytes // GROUP_ALIGNMENT * GROUP_ALIGNMENT)
     for start in range(0, n, rows):
-        grad_nk[:, start:start + rows].copy_(product(slice(start, start + rows)))
+        grad_nk[:, start:start + rows].copy_(product(pad_groups(grad_out[:, start:start + rows], layout)))
     return grad
 
 
