@@ -62,9 +62,12 @@ MODELS = {
     # Mixtral-shaped: 2.9B parameters at 2 layers (fp32 AdamW fits one H100)
     "mixtral": dict(arch="mixtral", layers=2, hidden=4096, expert_ffn=14336, experts=8, top_k=2, heads=32,
                     kv_heads=8, head_dim=128, vocab=32000, seq=2048, batch=4),
-    # Qwen3-MoE-shaped: 3.0B parameters at 4 layers
+    # Qwen3-MoE-shaped: 3.0B parameters at 4 layers; the top-8 routing weights renormalised to sum to one, as
+    # Qwen3-30B-A3B's config has them (norm_topk_prob, whose transformers default is False; before session 24 the
+    # default ran here, each token's expert output scaled by about 8/128, and the synthetic task's unigram plateau
+    # lasted a random 80-200 steps)
     "qwen3moe": dict(arch="qwen3moe", layers=4, hidden=2048, expert_ffn=768, experts=128, top_k=8, heads=32,
-                     kv_heads=4, head_dim=128, vocab=151936, seq=2048, batch=4),
+                     kv_heads=4, head_dim=128, vocab=151936, seq=2048, batch=4, norm_topk_prob=True),
     # the CPU smoke size
     "toy": dict(arch="mixtral", layers=2, hidden=64, expert_ffn=32, experts=4, top_k=2, heads=4, kv_heads=2,
                 head_dim=16, vocab=256, seq=64, batch=2),
@@ -102,7 +105,8 @@ def build_model(spec: dict, device):
         config = transformers.Qwen3MoeConfig(moe_intermediate_size=spec["expert_ffn"], num_experts=spec["experts"],
                                              num_experts_per_tok=spec["top_k"], head_dim=spec["head_dim"],
                                              intermediate_size=4 * spec["hidden"], decoder_sparse_step=1,
-                                             mlp_only_layers=[], **common)
+                                             mlp_only_layers=[], norm_topk_prob=spec.get("norm_topk_prob", False),
+                                             **common)
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
     with torch.device(device):

@@ -39,6 +39,9 @@ table (final held-out loss against bf16's, spikes bf16 does not have, tokens/s).
     python3 benchmarks/training/real_text.py --device cpu --tiny --out-dir /tmp/rt      # smoke, < 60 s
     python3 benchmarks/training/real_text.py --out-dir $OUT/real_text --parallel       # one GPU per row
     python3 benchmarks/training/real_text.py --plot --out-dir out/real_text --png docs/real_text.png
+
+One seed cannot settle a fraction of a percent (bf16 runs of one seed end up to 0.8% apart): run
+`--seed N` for several N and sum them up with benchmarks/training/real_text_seeds.py.
 """
 
 from __future__ import annotations

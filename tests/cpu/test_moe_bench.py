@@ -34,7 +34,7 @@ def test_loss_is_compared_with_bf16_of_the_same_compile_mode():
 def test_the_issue_shapes_and_rows():
     assert moe_llm.MODELS["qwen3moe"] == dict(arch="qwen3moe", layers=4, hidden=2048, expert_ffn=768, experts=128,
                                               top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936,
-                                              seq=2048, batch=4)
+                                              seq=2048, batch=4, norm_topk_prob=True)
     mixtral = moe_llm.MODELS["mixtral"]
     assert (mixtral["hidden"], mixtral["experts"], mixtral["top_k"], mixtral["expert_ffn"], mixtral["heads"],
             mixtral["kv_heads"], mixtral["layers"], mixtral["vocab"], mixtral["batch"], mixtral["seq"]) == (
@@ -44,6 +44,14 @@ def test_the_issue_shapes_and_rows():
             assert f"{base}-{mode}" in moe_llm.ALL_ROWS
     args = moe_llm.parse_args(["--rows", "fp8plug-nofilter-unfusedcasts-eager"])
     assert args.row_list == ["fp8plug-nofilter-unfusedcasts-eager"]
+
+
+def test_the_qwen3_model_renormalises_its_top_k_weights_as_qwen3_30b_a3b_does():
+    import torch
+
+    small = dict(moe_llm.MODELS["qwen3moe"], layers=1, hidden=32, expert_ffn=16, experts=4, top_k=2, heads=2,
+                 kv_heads=1, head_dim=16, vocab=64, seq=16)
+    assert moe_llm.build_model(small, torch.device("cpu")).config.norm_topk_prob is True
 
 
 def test_unfused_run_restores_the_fused_casts():
