@@ -124,7 +124,9 @@ OPTIONAL = {
                                "through (fp8plug.Accelerator)",
     "grouped_gemm": "grouped_gemm(plan, device) -> callable or str: the engine's grouped FP8 GEMM for a "
                     "mixture-of-experts projection, fn(x [S, K], weight [E, N, K], offs [E] int32, transposed) -> "
-                    "[S, N], or why it has none here; a model's experts run in FP8 through it (fp8plug.hf.experts)",
+                    "[S, N], or why it has none here; a model's experts run in FP8 through it (fp8plug.hf.experts); "
+                    "its `scaling` attribute, where it has one, names the scaling it applies whatever the "
+                    "recipe's (the conversion report says it)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
     "operand_scales": "operand_scales(module) -> {'input'|'weight'|'grad_output': scale}: how a converted Linear "

@@ -225,6 +225,8 @@ def convert_experts(model: nn.Module, engine, plan, report: ConversionReport) ->
             report.skip(fqn, problem, NO_GEMM if "engine" in problem or "sm_" in problem else kind)
             continue
         setattr(module, GEMM, gemm)
+        if getattr(gemm, "scaling", None):
+            report.notes[fqn] = f"{gemm.scaling} scaling"
         if EXPERT_COUNTS not in module._buffers:
             module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=module.down_proj.device),
                                    persistent=False)

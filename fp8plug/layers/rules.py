@@ -129,8 +129,9 @@ class ConversionReport:
     def _experts_summary(self, limit: int) -> str:
         """How many MoE experts modules run their grouped GEMMs in FP8, and why the others do not."""
         converted = [f for f in self.experts if f in set(self.converted)]
+        scalings = sorted({self.notes[f] for f in converted if self.notes.get(f)})
         line = (f"{len(converted)} of {len(self.experts)} MoE experts modules run their grouped GEMMs in FP8 "
-                "(router and routing weights in high precision)")
+                f"({''.join(s + '; ' for s in scalings)}router and routing weights in high precision)")
         reasons: Dict[str, List[str]] = {}
         for fqn in self.experts:
             if fqn in self.skipped:

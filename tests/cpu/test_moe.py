@@ -200,6 +200,15 @@ def test_accelerator_with_recipe_kwargs_converts_the_experts():
     fresh()
 
 
+def test_the_report_names_the_experts_scaling_whatever_the_recipe_asks_of_linears():
+    model = _build("mixtral")
+    report = fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", scaling="delayed"))
+    assert report.notes["model.layers.0.mlp.experts"] == "dynamic rowwise scaling"
+    assert ("1 of 1 MoE experts modules run their grouped GEMMs in FP8 (dynamic rowwise scaling; router and "
+            "routing weights in high precision)") in report.summary()
+    assert "converted model.layers.0.mlp.experts: dynamic rowwise scaling" in str(report)
+
+
 def test_eval_runs_the_implementation_the_model_had():
     model = _build("mixtral")
     reference = copy.deepcopy(model).eval()
