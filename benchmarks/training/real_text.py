@@ -73,6 +73,7 @@ FULL = dict(hidden=768, layers=12, heads=12, ffn=3072, seq=1024, batch=4, vocab=
 TINY = dict(hidden=64, layers=2, heads=4, ffn=128, seq=64, batch=4, vocab=512, budget_mb=2, tokenizer_mb=1,
             steps=30, eval_every=10, eval_batches=2, warmup=5, lr=3e-3, seed=0)
 SPIKE_WINDOW, SPIKE_RATIO = 50, 1.10
+SPIKE_MATCH = 5  # steps: a spike this close to another run's is the same spike (the same batches)
 
 
 # --- the corpus and its tokens -------------------------------------------------------------------------
@@ -193,6 +194,12 @@ def spikes(losses: list) -> list:
 
     return [i for i in range(SPIKE_WINDOW, len(losses))
             if losses[i] > SPIKE_RATIO * statistics.median(losses[i - SPIKE_WINDOW:i])]
+
+
+def spikes_not_in(mine: list, theirs: list) -> list:
+    """The steps of `mine` (spike steps) with no step of `theirs` within SPIKE_MATCH steps: spikes one
+    run has that another run of the same batches has not."""
+    return [s for s in mine if not any(abs(s - t) <= SPIKE_MATCH for t in theirs)]
 
 
 def run_row(row: str, args, spec: dict, deadline: float) -> dict:
@@ -362,7 +369,7 @@ def table(results: dict) -> str:
     """The markdown table: each row's final held-out loss against bf16's, its spikes that bf16 has
     not (within 5 steps), and its tokens/s."""
     base = results.get("bf16", {})
-    base_loss, base_spikes = base.get("final_eval_loss"), set(base.get("spikes", []))
+    base_loss, base_spikes = base.get("final_eval_loss"), base.get("spikes", [])
     base_tok = base.get("tokens_per_s")
     lines = ["| row | steps | final held-out loss | vs bf16 | spikes bf16 has not | tokens/s | vs bf16 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -373,7 +380,7 @@ def table(results: dict) -> str:
             continue
         loss, tok = r.get("final_eval_loss"), r.get("tokens_per_s")
         rel = f"{100 * (loss / base_loss - 1):+.2f}%" if loss and base_loss else "-"
-        own = [s for s in r.get("spikes", []) if not any(abs(s - b) <= 5 for b in base_spikes)]
+        own = spikes_not_in(r.get("spikes", []), base_spikes)
         speed = f"{tok / base_tok:.2f}x" if tok and base_tok else "-"
         lines.append(f"| {row} | {r.get('steps_done')} | {loss:.4f} | {rel} | {len(own)} | "
                      f"{tok:,.0f} | {speed} |" if loss is not None and tok else f"| {row} | {r.get('steps_done')} | "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_text import SPIKE_WINDOW, spikes  # noqa: E402
+from real_text import SPIKE_WINDOW, spikes_not_in  # noqa: E402
 
 T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided
 
@@ -67,12 +67,10 @@ def mean_curve(runs: list) -> dict:
 
 
 def own_spikes(run: dict, other: dict) -> list:
-    """(step, loss over its running median) of `run`'s spikes that `other` has not within 5 steps."""
-    theirs = set(other["spikes"]) if "spikes" in other else set(spikes(other["train_loss"]))
-    mine = run["spikes"] if "spikes" in run else spikes(run["train_loss"])
+    """(step, loss over its running median) of `run`'s spikes that `other` has not (real_text.spikes_not_in)."""
     losses = run["train_loss"]
-    return [(s, losses[s] / statistics.median(losses[s - SPIKE_WINDOW:s])) for s in mine
-            if not any(abs(s - t) <= 5 for t in theirs)]
+    return [(s, losses[s] / statistics.median(losses[s - SPIKE_WINDOW:s]))
+            for s in spikes_not_in(run["spikes"], other["spikes"])]
 
 
 def summarise(runs: list, rows: set) -> dict:

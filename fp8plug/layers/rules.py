@@ -130,8 +130,8 @@ class ConversionReport:
         """How many MoE experts modules run their grouped GEMMs in FP8, and why the others do not."""
         converted = [f for f in self.experts if f in set(self.converted)]
         scalings = sorted({self.notes[f] for f in converted if self.notes.get(f)})
-        line = (f"{len(converted)} of {len(self.experts)} MoE experts modules run their grouped GEMMs in FP8 "
-                f"({''.join(s + '; ' for s in scalings)}router and routing weights in high precision)")
+        kept = "; ".join([*scalings, "router and routing weights in high precision"])
+        line = f"{len(converted)} of {len(self.experts)} MoE experts modules run their grouped GEMMs in FP8 ({kept})"
         reasons: Dict[str, List[str]] = {}
         for fqn in self.experts:
             if fqn in self.skipped:
