@@ -131,6 +131,8 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
     w8, w_inv = grouped.rowwise(w.detach())
     cases["fp8_gemm_fwd"] = lambda: grouped.scaled_grouped_mm(x8, w8.transpose(-2, -1), x_inv, w_inv, layout.offs,
                                                               torch.bfloat16, True)
+    # each backward GEMM alone, bf16 (autograd asked for one gradient) and FP8 (operands cast beforehand)
+    cases.update(per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one=lambda fn, wrt: _one_grad(fn, x, w, offs, g, wrt)))
     for name, fn in cases.items():
         try:
             ms = timed(fn, device, repeats)
@@ -141,10 +143,62 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
         tflops = work / ms / 1e9
         peak = peaks[1] if name.startswith("fp8") else peaks[0]
         out[name] = dict(ms=ms, tflops=tflops, of_peak=tflops / peak)
+    out["per_gemm_ms"] = per_gemm(out)
     for mode in ("fwd", "fwd_bwd"):
         a, b = out.get(f"bf16_{mode}", {}), out.get(f"fp8_{mode}", {})
         if "ms" in a and "ms" in b:
             out[f"speedup_{mode}"] = a["ms"] / b["ms"]
+    return out
+
+
+def _one_grad(fn, x, w, offs, g, wrt: str):
+    """forward + the backward of one gradient (`wrt` "x": the input gradient's GEMM; "w": the weight's)."""
+    def run():
+        y = fn(x, w, offs)
+        torch.autograd.grad(y, x if wrt == "x" else w, g)
+    return run
+
+
+def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> dict:
+    """The input-gradient (dgrad) and weight-gradient (wgrad) GEMMs on their own: bf16 and FP8 as
+    forward + that one gradient (minus forward, in `measure`), and each FP8 GEMM on operands cast
+    beforehand (what the kernel alone costs), plus the casts each needs, timed alone."""
+    gp = grouped.pad_groups(g, layout)
+    xp = grouped.pad_groups(x.detach(), layout)
+    g8, g_inv = grouped.rowwise(gp)
+    w_kn8, w_kn_inv = grouped.rowwise(w.detach().transpose(-2, -1))
+    g_t8, g_t_inv = grouped.groupwise_columns(gp, layout)
+    x_t8, x_t_inv = grouped.groupwise_columns(xp, layout)
+    mm = grouped.scaled_grouped_mm
+    fp8 = grouped.grouped_fp8_linear
+    return {
+        "bf16_fwd_dgrad": fwd_bwd_one(grouped_bf16, "x"), "bf16_fwd_wgrad": fwd_bwd_one(grouped_bf16, "w"),
+        "fp8_fwd_dgrad": fwd_bwd_one(fp8, "x"), "fp8_fwd_wgrad": fwd_bwd_one(fp8, "w"),
+        "fp8_gemm_dgrad": lambda: mm(g8, w_kn8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, torch.bfloat16, False),
+        "fp8_gemm_wgrad": lambda: mm(g_t8, x_t8.t(), g_t_inv, x_t_inv, layout.offs, torch.bfloat16, False),
+        "cast_weight_fwd": lambda: grouped.cast_weight_forward(w.detach()),
+        "cast_weight_dgrad": lambda: grouped.cast_weight_input_grad(w.detach()),
+        "cast_tokens_grad": lambda: grouped.cast_tokens(g, layout),
+        "cast_wgrad_grad": lambda: grouped.cast_weight_grad_operand(g, layout),
+        "pad_grad": lambda: grouped.pad_groups(g, layout),
+    }
+
+
+def per_gemm(r: dict) -> dict:
+    """ms of each GEMM alone from the timed cases: forward, dgrad and wgrad for bf16 (dgrad and wgrad
+    as forward + that gradient, minus forward) and for FP8 with and without its casts."""
+    def ms(name):
+        return r.get(name, {}).get("ms")
+
+    out = {}
+    for kind in ("bf16", "fp8"):
+        fwd = ms(f"{kind}_fwd")
+        out[f"{kind}_fwd"] = fwd
+        for gemm in ("dgrad", "wgrad"):
+            both = ms(f"{kind}_fwd_{gemm}")
+            out[f"{kind}_{gemm}"] = None if both is None or fwd is None else both - fwd
+    for gemm in ("fwd", "dgrad", "wgrad"):
+        out[f"fp8_gemm_{gemm}"] = ms(f"fp8_gemm_{gemm}")
     return out
 
 
@@ -166,6 +220,23 @@ def table(results: list, peaks) -> str:
             f"{ms(r['bf16_fwd'])} | {ms(r['fp8_fwd'])} | {ms(r['fp8_gemm_fwd'])} | {r.get('speedup_fwd', 0):.2f} | "
             f"{ms(r['bf16_fwd_bwd'])} | {ms(r['fp8_fwd_bwd'])} ({ms(r['fp8_unfused_fwd_bwd'])}) | "
             f"{r.get('speedup_fwd_bwd', 0):.2f} | {roof} |")
+    lines += ["", "Each GEMM alone, ms (bf16: forward + that gradient minus forward; FP8 with its casts, and the "
+              "kernel alone on operands cast beforehand), and the backward's casts alone:", "",
+              "| model | projection | bf16 fwd / dgrad / wgrad | FP8 fwd / dgrad / wgrad (with casts) | "
+              "FP8 kernel fwd / dgrad / wgrad | casts: weight fwd, weight dgrad, grad rows, grad wgrad, pad grad |",
+              "|---|---|---|---|---|---|"]
+
+    def trio(values):
+        return " / ".join("-" if v is None else f"{v:.3f}" for v in values)
+
+    for r in results:
+        p = r.get("per_gemm_ms", {})
+        casts = [r.get(c, {}).get("ms") for c in ("cast_weight_fwd", "cast_weight_dgrad", "cast_tokens_grad",
+                                                  "cast_wgrad_grad", "pad_grad")]
+        gemms = ("fwd", "dgrad", "wgrad")
+        lines.append(f"| {r['model']} | {r['projection']} | {trio([p.get(f'bf16_{g}') for g in gemms])} | "
+                     f"{trio([p.get(f'fp8_{g}') for g in gemms])} | "
+                     f"{trio([p.get(f'fp8_gemm_{g}') for g in gemms])} | {trio(casts)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
         sys.path.insert(0, _path)
 
 from fresh_process import run_fresh  # noqa: E402
+from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama_measure import StepClock, gpu_memory, note_early_step, step_numbers  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
 
@@ -157,7 +158,7 @@ def padding_share(spec: dict) -> float:
     return spec["experts"] * 7.5 / pairs
 
 
-def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float) -> dict:
+def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: float, profile: int = 0) -> dict:
     import torch
 
     cuda = device.type == "cuda"
@@ -182,6 +183,8 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
     if cuda:
         torch.cuda.synchronize()
         out.update(gpu_memory(device, None))
+        if profile:
+            out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
     out.update(step_numbers(spec, steps, warmup, [clock.ms(a, b) for a, b in zip(marks, marks[1:])], losses))
     if row.startswith("fp8plug"):
         import fp8plug
@@ -197,7 +200,8 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
     return out
 
 
-def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float) -> dict:
+def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float,
+            profile: int = 0) -> dict:
     import torch
 
     result = dict(row=row, tokens_per_s=None, peak_gb=None, loss=None, error=None)
@@ -208,7 +212,7 @@ def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_nam
         if row.startswith("accelerate-ao") and device.type == "cpu":
             result["error"] = "unavailable: Accelerate's AORecipeKwargs needs a CUDA GPU"
             return result
-        result.update(train(row, spec, steps, warmup, lr, device, t0))
+        result.update(train(row, spec, steps, warmup, lr, device, t0, profile))
     except Exception as exc:  # noqa: BLE001 - a failed row is a row with its reason
         result["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
         traceback.print_exc()
@@ -223,7 +227,7 @@ def spawn(row: str, args, timeout: float) -> dict:
                "--layers", str(args.spec["layers"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--lr", str(args.lr), "--device", args.device, "--compile-backend", args.compile_backend,
                *(["--backend", args.backend] if args.backend else []),
-               "--t0", str(time.time())]
+               "--profile", str(args.profile), "--t0", str(time.time())]
         code, err = run_fresh(cmd, timeout, caches_in=tmp)
         if code is None:
             sys.stderr.write(err[-2000:])
@@ -303,6 +307,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=420, help="seconds per row")
     p.add_argument("--deadline", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="on a GPU, profile N more steps after the timed ones: GPU time by kind of kernel "
+                        "(benchmarks/training/gpu_time_by_kind.py), the top kernels")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -337,7 +344,8 @@ def main(argv=None) -> int:
     meta = dict(model=args.model, spec=args.spec, steps=args.steps, warmup=args.warmup, lr=args.lr,
                 versions=versions(), command="python3 benchmarks/moe/moe_llm.py " + " ".join(sys.argv[1:]))
     if args.row:
-        rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START)]
+        rows = [run_row(args.row, args.spec, args.steps, args.warmup, args.lr, args.device, args.t0 or PROCESS_START,
+                        args.profile)]
     else:
         rows = []
         for i, row in enumerate(args.row_list, 1):

@@ -161,3 +161,62 @@ def test_compiled_fp8_experts_compute_what_eager_ones_do(name):
             if bf16[n].norm() > 0]
     assert min(rows)[0] > -6, sorted(rows)[:8]  # dB of compiled's distance from bf16 beyond eager's
 
+
+
+def test_at_the_mixtral_shape_compiled_experts_train_like_eager_ones():
+    """One Mixtral-shaped layer (hidden 4096, 8 experts of 14336, top-2; 4096 tokens a step), bf16
+    weights as MoE fine-tuning keeps them: the first step's expert-weight gradients, eager and
+    compiled, each against the bf16 model's (transformers' grouped_mm), then five more steps of
+    each run from the same start: the compiled run's losses follow the eager run's."""
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
+                                        tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        start = transformers.MixtralForCausalLM(config).to(torch.bfloat16).train()
+    start.set_experts_implementation("grouped_mm")
+    ids = torch.randint(0, 1024, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    reference = copy.deepcopy(start)
+    hf_loss(reference, ids).backward()
+    experts = [n for n, _ in reference.named_parameters() if ".experts." in n]
+    bf16 = {n: p.grad.float() for n, p in reference.named_parameters() if n in experts}
+    del reference
+    runs = {}
+    for compiled in (False, True):
+        model, losses, first = _train_with_first_grads(copy.deepcopy(start), 6, compiled, ids, experts)
+        runs[compiled] = (losses, first)
+        del model
+    (eager_losses, eager), (compiled_losses, compiled) = runs[False], runs[True]
+    for n in experts:
+        assert sqnr_db(eager[n], bf16[n]) > 20, n  # FP8 noise against bf16, at this shape
+        assert sqnr_db(compiled[n], bf16[n]) > sqnr_db(eager[n], bf16[n]) - 3, n
+    assert eager_losses[-1] < eager_losses[0] - 0.5, eager_losses
+    for a, b in zip(eager_losses, compiled_losses):
+        assert abs(a - b) < 0.02 * abs(a), (eager_losses, compiled_losses)
+
+
+def _train_with_first_grads(model, steps, compiled, ids, names):
+    """`steps` AdamW steps of `model` through fp8plug.Accelerator (native engine), compiled or not;
+    the model, its losses and the first step's gradients of `names` (float32)."""
+    fresh()
+    accelerator = fp8plug.Accelerator(mixed_precision="fp8",
+                                      kwargs_handlers=[FP8RecipeKwargs(backend="native", auto_filter=False)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    reports = accelerator.fp8_reports
+    assert reports and all(r.experts and set(r.experts) <= set(r.converted) for r in reports)  # FP8 experts
+    runner = torch.compile(model) if compiled else model
+    losses, first = [], None
+    for step in range(steps):
+        loss = hf_loss(runner, ids)
+        accelerator.backward(loss)
+        if first is None:
+            first = {n: p.grad.float().clone() for n, p in accelerator.unwrap_model(model).named_parameters()
+                     if n in names}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return model, losses, first

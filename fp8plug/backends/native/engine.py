@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fp8plug.backends.base import Engine, Probe
-from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular
+from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular, transposed_cast
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
 from fp8plug.backends.native.fp8_matmul import GemmConfig, _FP8Linear
 from fp8plug.backends.native.frozen_base import FrozenFP8Linear
@@ -106,6 +106,8 @@ class NativeFP8Linear(nn.Linear):
         if self.delayed:
             track_for_sync(self, _direct_layers_engine())  # a layer built directly is synced like a converted model
         fused_cast.load()  # the eager CUDA cast, built here: never inside torch.compile
+        if self.granular:
+            transposed_cast.load()  # likewise whether the transposed casts' kernels can run
 
     def _fresh_fp8_state(self, length: int, device) -> None:
         """(Re)make the scaling buffers as a new layer has them: no history, scale 1, no update

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
-from fp8plug.backends.native import compiled_ops
+from fp8plug.backends.native import compiled_ops, transposed_cast
 from fp8plug.backends.native.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
 
 GRANULAR = ("rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -120,16 +120,54 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
     code for the tile reduction traced into it (its loop split); GPU compilers fuse it."""
     if torch.compiler.is_compiling():
         return _traced_cast(t, kind, power_of_two)
+    if _columns_of(t, kind):
+        return _cast_columns(t.detach().t(), kind, power_of_two)
     return _cast_tiles(t, kind, power_of_two)
 
 
 def _traced_cast(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cast_tiles as a compiled graph holds it: the torch ops, traced, on a GPU; one operator on
-    the CPU. Called directly where a trace is certain (a compiled granular layer, forward and its
-    autograd formula)."""
+    """cast_tiles as a compiled graph holds it: the torch ops, traced, on a GPU (the compiler fuses
+    them into the kernel that makes the tensor), except a transposed operand's, which is one
+    operator (`_cast_columns`); one operator on the CPU. Called directly where a trace is certain
+    (a compiled granular layer, forward and its autograd formula)."""
     if t.device.type == "cpu":
         return _cpu_cast_tiles(t.detach(), kind, power_of_two)
+    if _columns_of(t, kind):
+        return _cast_columns(t.detach().t(), kind, power_of_two)
     return _cast_tiles(t, kind, power_of_two)
+
+
+def _columns_of(t: torch.Tensor, kind: str) -> bool:
+    """Whether `t` is the transposed view of a row-major tensor, cast per row (rowwise) or 1x128
+    tile: a column-scaled transposed cast of that tensor, which backends.native.transposed_cast
+    makes in two passes on CUDA (traced torch ops made it about six times slower than that)."""
+    return (kind in (ROW, TILE) and t.dim() == 2 and t.stride(0) == 1 and t.stride(1) == t.shape[0]
+            and transposed_cast.usable(t))
+
+
+@torch.library.custom_op("fp8plug::cast_columns", mutates_args=())
+def _cast_columns(source: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cast_tiles(source.t(), kind, power_of_two) for a row-major `source` [R, C] on CUDA: the
+    column amaxes (one Triton pass), the scales from them by the torch ops _cast_tiles uses (the
+    same values), the cast written transposed (a second pass). One operator, so that the layers
+    sharing an input (q, k and v) share its cast in a compiled graph."""
+    rows = source.shape[0]
+    segments, count = ((transposed_cast.ALL_ROWS, 1) if kind == ROW
+                       else (transposed_cast.TILES_128, -(-rows // BLOCK)))
+    amax = transposed_cast.column_amax(source, segments, count)  # [1, count, C]
+    scale = scale_from_amax(amax, FP8_MAX[E4M3])
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    data = transposed_cast.cast_transposed(source, scale, segments)
+    # [C, count] outer-dimension-major: the layout the blockwise GEMM takes its 1x128 scales in
+    return data, scale[0].reciprocal().t()
+
+
+@_cast_columns.register_fake
+def _(source, kind, power_of_two):
+    rows, cols = source.shape
+    count = 1 if kind == ROW else -(-rows // BLOCK)
+    return source.new_empty((cols, rows), dtype=E4M3), source.new_empty((count, cols), dtype=torch.float32).t()
 
 
 @torch.library.custom_op("fp8plug::cpu_cast_tiles", mutates_args=())
@@ -389,8 +427,15 @@ def _granular_op_autograd(ctx, grad_out):
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_out = grad_out.contiguous()
     grads = _grad_operands(grad_out, _config(*ctx.args), need_x, need_w, _traced_cast)
-    grad_x, grad_w = _granular_op_backward(grad_out, grads, list(ctx.saved_tensors), *ctx.x, *ctx.args,
-                                           need_x, need_w)
+    x_shape, x_dtype, w_dtype = ctx.x
+    out_dtype = ctx.args[1]
+    grad_x, grad_w = _granular_op_backward(grad_out, grads, list(ctx.saved_tensors), x_shape, out_dtype, out_dtype,
+                                           *ctx.args, need_x, need_w)
+    # each gradient leaves the operator as its GEMM wrote it and is converted here, traced: the
+    # compiler fuses the conversion into the kernels that read it (the sum of q, k and v's input
+    # gradients, the weight gradient's accumulation), where inside the operator it was a copy
+    # kernel of its own (4.7 ms a step on the benchmark Llama with float32 master weights, H200)
+    grad_x, grad_w = grad_x.to(x_dtype), grad_w.to(w_dtype)
     no_grads = [[None] * n for n in ctx.lists]
     return compiled_ops.or_none(grad_x, need_x), compiled_ops.or_none(grad_w, need_w), *no_grads, None, None, None
 

@@ -45,24 +45,24 @@ AMAX_FLOOR = 1e-12  # an all-zero row (padding) gets a finite scale
 GROUP_ALIGNMENT = 16  # rows per token group (grouped.py's padded layout)
 
 
-def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+def reciprocal(t: torch.Tensor) -> torch.Tensor:
     """1 / t in float32, correctly rounded (as torch's eager reciprocal) whatever division the
     backend emits."""
     return (1.0 / t.double()).float()
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
     """E4M3_MAX / amax as eager torch computes a number over a tensor (Tensor.__rtruediv__: the
     tensor's reciprocal, then times the number), clamped as grouped.py does."""
-    return _reciprocal(amax.clamp(min=AMAX_FLOOR)) * E4M3_MAX
+    return reciprocal(amax.clamp(min=AMAX_FLOOR)) * E4M3_MAX
 
 
 def _rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """grouped.rowwise's cast: e4m3 with one scale per row of the last dimension, the inverses."""
     amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    scale = _scale(amax)
+    scale = scale_of(amax)
     data = (t * scale).to(E4M3).contiguous()
-    return data, _reciprocal(scale).squeeze(-1).contiguous()
+    return data, reciprocal(scale).squeeze(-1).contiguous()
 
 
 def _groupwise_columns(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +72,9 @@ def _groupwise_columns(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tu
                                       dim=1, dtype=torch.float32)
     index = group[::GROUP_ALIGNMENT, None].expand(-1, columns)
     amax = blocks.new_zeros(experts, columns).scatter_reduce_(0, index, blocks, "amax")
-    scale = _scale(amax)
+    scale = scale_of(amax)
     data = (t * scale.index_select(0, group)).to(E4M3)
-    return data.t().contiguous(), _reciprocal(scale).reshape(-1).contiguous()
+    return data.t().contiguous(), reciprocal(scale).reshape(-1).contiguous()
 
 
 # One function per role: dynamo keeps a cache of compiled shapes per function (8 by default), and

@@ -1,0 +1,256 @@
+"""FP8 casts that scale along a tensor's rows and write it transposed, on CUDA, in two passes.
+
+Why: a GEMM's operand is scaled along that GEMM's reduction dimension and read with it contiguous.
+The weight gradient reduces over the tokens, so the input and the output gradient [tokens, C] are
+needed transposed, [C, tokens], with one scale per column of the original (over all its rows:
+rowwise; over each 128 rows: blockwise's 1x128 tiles; over each expert's rows: the grouped weight
+gradient), and so is the weight for the input gradient. Traced torch ops make of that a column
+reduction and a transposed write that the compiler schedules poorly: on the benchmark Llama
+(one H200, compiled) these casts took 0.5 ms for a [8192, 14336] gradient, about six times what
+reading it twice and writing it once costs, and the MoE experts' padded copies and casts cost
+more than their FP8 GEMMs saved (docs/performance.md, "Where the time goes").
+
+Here: pass one walks the tensor in row tiles, a program down a band of columns, and folds the
+column maxima into the amax of their segment (an atomic max a segment, not a tile: per 16-row
+tile, the MoE experts' amax pass took 0.6 ms a Mixtral projection); the scales are then worked
+out from the amaxes by the caller's own torch ops (so they are the bytes the torch path gives);
+pass two reads the tensor again, scales, casts, and writes the tile transposed. Rows can be
+gathered on the way (`source`: a padded token layout's row map, -1 for a zero row), so the
+grouped GEMM's padding costs no copy of its own; a leading batch dimension (an experts weight
+[E, N, K]) is one more grid axis.
+
+`rows_cast` is the grouped GEMM's token cast with that gather: one scale per row, written as is.
+
+Segments of rows that share a column scale: ALL_ROWS (one), TILES_128 (128 rows each) or GROUPS
+(`segment`: each row's group, groups 16-row aligned). On the CPU, and without Triton, callers
+keep their torch ops; `usable` says which. Checked against them on a GPU (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+ALL_ROWS, TILES_128, GROUPS = 0, 1, 2
+SEGMENT_ROWS = 128  # TILES_128's rows per segment
+GROUP_ROWS = 16  # GROUPS: every group starts at a multiple of this many rows
+E4M3 = torch.float8_e4m3fn
+# Tiles: (rows, columns, warps) of the amax pass and of the cast; the cast's rows divide
+# SEGMENT_ROWS, so a tile of it lies in one 128-row segment.
+AMAX_TILE = (64, 128, 4)
+AMAX_ROWS_PER_PROGRAM = 512  # rows one amax program walks (ALL_ROWS, GROUPS); TILES_128: one segment
+CAST_TILE = (64, 128, 4)
+ROWS_TILE = (8, 512, 4)
+
+_KERNELS = None
+# Whether Triton can run here: None until load() has looked, then a plain bool that torch.compile
+# reads as a constant (load() runs when a layer is built, outside any trace).
+_READY = None
+
+
+def load() -> bool:
+    """Look once per process whether the kernels can run here (CUDA and Triton: the one check of
+    backends.native.fused_cast); whether they can."""
+    global _READY
+    if _READY is None:
+        from fp8plug.backends.native.fused_cast import triton_on_cuda
+
+        _READY = triton_on_cuda()
+    return _READY
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether these kernels run for `t`: a CUDA tensor where Triton runs."""
+    return t.is_cuda and (_READY if _READY is not None else load())
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _build()
+    return _KERNELS
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def column_amax(x_ptr, src_ptr, seg_ptr, amax_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
+                    GATHER: tl.constexpr, SEGMENTS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    STEPS: tl.constexpr):
+        """amax[b, segment, c] = max |x| over the segment's rows of column c (NaN read as inf). A
+        program walks STEPS tiles of BR rows down its columns, keeping the maxima in registers, and
+        folds them into the segment's amax (an atomic max) when the segment changes and at its end:
+        one atomic per column a segment and program, not one a tile."""
+        pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
+        running = tl.zeros((BC,), dtype=tl.float32)
+        first_row = pr.to(tl.int64) * (BR * STEPS)
+        if SEGMENTS == 2:  # a tile of BR (16) rows lies in one group
+            current = tl.load(seg_ptr + first_row).to(tl.int64)  # the grid starts every program inside
+        else:
+            current = (first_row // 128) if SEGMENTS == 1 else first_row * 0
+        for step in range(STEPS):
+            rows = first_row + step * BR + tl.arange(0, BR)
+            if GATHER:  # the row each row reads (-1: a zero row)
+                src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+                valid = (src >= 0) & (rows < n_rows)
+            else:
+                src, valid = rows, rows < n_rows
+            start = first_row + step * BR
+            if SEGMENTS == 2:
+                # past the end: the last row's (its rows are masked out, and nothing is flushed for them)
+                seg = tl.load(seg_ptr + tl.minimum(start, n_rows - 1)).to(tl.int64)
+            else:
+                seg = (start // 128) if SEGMENTS == 1 else current
+            if seg != current:  # the tile opens another segment: the last one's maxima are complete
+                tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running, mask=cols < n_cols)
+                running = tl.zeros((BC,), dtype=tl.float32)
+                current = seg
+            x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
+                        mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            running = tl.maximum(running, tl.max(tl.where(a != a, float("inf"), a), axis=0))
+        tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running, mask=cols < n_cols)
+
+    @triton.jit
+    def cast_transposed(x_ptr, src_ptr, seg_ptr, scale_ptr, y_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
+                        FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, SEGMENTS: tl.constexpr,
+                        BR: tl.constexpr, BC: tl.constexpr):
+        """y[b, c, r] = fp8(x[b, r, c] * scale[b, segment(r), c]): finite values saturated, inf and
+        NaN made NaN (scaling.quantize's rule)."""
+        pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
+        cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
+        if GATHER:  # the row each row reads (-1: a zero row)
+            src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+            valid = (src >= 0) & (rows < n_rows)
+        else:
+            src, valid = rows, rows < n_rows
+        in_cols = cols[None, :] < n_cols
+        x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & in_cols,
+                    other=0.0)
+        scales = scale_ptr + b * n_segments * n_cols
+        if SEGMENTS == 0:
+            s = tl.load(scales + cols, mask=cols < n_cols, other=1.0)[None, :]
+        elif SEGMENTS == 1:
+            s = tl.load(scales + ((pr * BR) // 128) * n_cols + cols, mask=cols < n_cols, other=1.0)[None, :]
+        else:
+            seg = tl.load(seg_ptr + rows, mask=rows < n_rows, other=0).to(tl.int64)
+            s = tl.load(scales + seg[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & in_cols,
+                        other=1.0)
+        scaled = x.to(tl.float32) * s
+        finite = (scaled == scaled) & (tl.abs(scaled) < float("inf"))
+        y = tl.where(finite, tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT), float("nan")).to(tl.float8e4nv)
+        # transposed in registers as 16-bit lanes (backends.native.fused_cast transposes 16-bit tiles)
+        y_t = tl.trans(y.to(tl.uint8, bitcast=True).to(tl.uint16)).to(tl.uint8)
+        out = y_ptr + b * n_cols * n_rows + cols[:, None] * n_rows + rows[None, :]
+        tl.store(out, y_t, mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows))
+
+    @triton.jit
+    def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
+                  FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        """y[r] = fp8(x[src(r)] * scale_r), scale_r = FP8_LIMIT * (1 / max(amax_r, AMAX_FLOOR))
+        correctly rounded (a NaN row keeps a NaN scale), inv[r] = 1 / scale_r; zero rows where the
+        map says -1."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        if GATHER:  # the row each row reads (-1: a zero row)
+            src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+            valid = (src >= 0) & (rows < n_rows)
+        else:
+            src, valid = rows, rows < n_rows
+        amax = tl.zeros((BR,), dtype=tl.float32)
+        nan = tl.zeros((BR,), dtype=tl.int32)
+        for start in range(0, n_cols, BC):
+            cols = start + tl.arange(0, BC)
+            x = tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & (cols[None, :] < n_cols),
+                        other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, a), axis=1))
+        amax = tl.where(nan > 0, float("nan"), tl.maximum(amax, AMAX_FLOOR))
+        scale = tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), amax) * FP8_LIMIT
+        tl.store(inv_ptr + rows, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), scale), mask=rows < n_rows)
+        for start in range(0, n_cols, BC):
+            cols = start + tl.arange(0, BC)
+            x = tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & (cols[None, :] < n_cols),
+                        other=0.0)
+            y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
+            tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
+                     (cols[None, :] < n_cols))
+
+    return dict(triton=triton, column_amax=column_amax, cast_transposed=cast_transposed, rows_cast=rows_cast)
+
+
+def _as_batched(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """(t with a batch dimension, batches, its batch stride, its row stride); columns contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t, 1, 0, t.stride(0)
+    return t, t.shape[0], t.stride(0), t.stride(1)
+
+
+def column_amax(t: torch.Tensor, segments: int, n_segments: int, source: Optional[torch.Tensor] = None,
+                segment: Optional[torch.Tensor] = None, n_rows: Optional[int] = None) -> torch.Tensor:
+    """float32 [batch, n_segments, C] (batch 1 for a 2-D `t`): each segment's max |t| per column
+    (inf where it holds a NaN or inf). `t`: [R, C] or [batch, R, C], columns contiguous; `source`:
+    the row each of `n_rows` rows reads (-1: zero); `segment`: each row's group (GROUPS)."""
+    k = _kernels()
+    t, batch, x_batch, x_row = _as_batched(t)
+    rows = n_rows if n_rows is not None else t.shape[-2]
+    cols = t.shape[-1]
+    amax = torch.zeros((batch, n_segments, cols), device=t.device, dtype=torch.float32)
+    br = GROUP_ROWS if segments == GROUPS else AMAX_TILE[0]
+    # rows a program walks: a 128-row segment (TILES_128), else AMAX_ROWS_PER_PROGRAM
+    steps = SEGMENT_ROWS // br if segments == TILES_128 else AMAX_ROWS_PER_PROGRAM // br
+    bc, warps = AMAX_TILE[1], AMAX_TILE[2]
+    grid = (k["triton"].cdiv(rows, br * steps), k["triton"].cdiv(cols, bc), batch)
+    k["column_amax"][grid](t, source if source is not None else t, segment if segment is not None else t, amax, rows,
+                           cols, x_batch, x_row, n_segments, GATHER=source is not None, SEGMENTS=segments, BR=br,
+                           BC=bc, STEPS=steps, num_warps=warps)
+    return amax
+
+
+def cast_transposed(t: torch.Tensor, scale: torch.Tensor, segments: int, source: Optional[torch.Tensor] = None,
+                    segment: Optional[torch.Tensor] = None, n_rows: Optional[int] = None) -> torch.Tensor:
+    """e4m3 [C, R] (or [batch, C, R]), contiguous: `t` [R, C] (or [batch, R, C]) times `scale`
+    [batch, n_segments, C] of each row's segment, saturated, non-finite values NaN, transposed.
+    `source`, `segment`, `n_rows` as in column_amax."""
+    k = _kernels()
+    squeeze = t.dim() == 2
+    t, batch, x_batch, x_row = _as_batched(t)
+    rows = n_rows if n_rows is not None else t.shape[-2]
+    cols = t.shape[-1]
+    y = torch.empty((batch, cols, rows), device=t.device, dtype=E4M3)
+    br, bc, warps = CAST_TILE
+    grid = (k["triton"].cdiv(rows, br), k["triton"].cdiv(cols, bc), batch)
+    k["cast_transposed"][grid](t, source if source is not None else t, segment if segment is not None else t,
+                               scale.contiguous(), y.view(torch.uint8), rows, cols, x_batch, x_row, scale.shape[-2],
+                               FP8_LIMIT=float(torch.finfo(E4M3).max), GATHER=source is not None, SEGMENTS=segments,
+                               BR=br, BC=bc, num_warps=warps)
+    return y[0] if squeeze else y
+
+
+def rows_cast(t: torch.Tensor, amax_floor: float, source: Optional[torch.Tensor] = None,
+              n_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [n_rows, C] with one scale per row, the float32 inverse scales [n_rows]): row r is
+    `t`'s row source[r] (zero where -1), scaled by E4M3's max over its amax (at least
+    `amax_floor`): backends.native.grouped.rowwise's bytes, with the padding gather done on the way."""
+    k = _kernels()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    rows = n_rows if n_rows is not None else t.shape[0]
+    cols = t.shape[1]
+    y = torch.empty((rows, cols), device=t.device, dtype=E4M3)
+    inv = torch.empty((rows,), device=t.device, dtype=torch.float32)
+    br, bc, warps = ROWS_TILE
+    k["rows_cast"][(k["triton"].cdiv(rows, br),)](
+        t, source if source is not None else t, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor,
+        FP8_LIMIT=float(torch.finfo(E4M3).max), GATHER=source is not None, BR=br, BC=bc, num_warps=warps)
+    return y, inv
+
+
+__all__ = ["ALL_ROWS", "GROUPS", "TILES_128", "cast_transposed", "column_amax", "load", "rows_cast", "usable"]

@@ -1,0 +1,69 @@
+"""The two-pass transposed FP8 casts on CUDA (fp8plug/backends/native/transposed_cast.py) write the
+bytes of the torch-op casts they replace: the granular layers' transposed operands (rowwise and
+1x128 tiles), and the grouped GEMM's token rows, weight-gradient operands (gathered through the
+padded layout, whole and as a column slice) and input-gradient weight."""
+
+import pytest
+import torch
+
+from fp8plug.backends.native import granular, grouped, transposed_cast
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs an sm_90 (Hopper) GPU")
+
+SIZES = [37, 0, 128, 5, 300, 16, 64, 1]  # unaligned, empty, aligned groups
+
+
+def same(mine, reference):
+    """Equal bytes, NaN where the reference has NaN (its sign and payload aside)."""
+    for a, b in zip(mine, reference):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        a32, b32 = a.float(), b.float()
+        assert torch.equal(a32.isnan(), b32.isnan())
+        assert torch.equal(a32.nan_to_num(), b32.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,power_of_two", [(granular.ROW, True), (granular.TILE, False)])
+@pytest.mark.parametrize("rows,cols", [(8192, 1024), (300, 192)])
+def test_granular_transposed_casts_write_the_torch_bytes(dtype, kind, power_of_two, rows, cols):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-4, 3, cols, device="cuda")).to(dtype)
+    x[5, 7], x[9, 11] = float("nan"), float("inf")  # a non-finite value keeps its column's scale at 1, made NaN
+    assert granular._columns_of(x.t(), kind)
+    same(granular._cast_columns(x, kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
+    same(granular.cast_tiles(x.t(), kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_casts_through_the_layout_write_the_padded_bytes(dtype):
+    torch.manual_seed(1)
+    offs = torch.tensor(SIZES, device="cuda").cumsum(0).to(torch.int32)
+    layout = grouped.group_layout(offs, sum(SIZES))
+    x = (torch.randn(sum(SIZES), 512, device="cuda") * torch.logspace(-3, 2, 512, device="cuda")).to(dtype)
+    padded = grouped.pad_groups(x, layout)
+    assert grouped._fused(x)
+    same(grouped.cast_tokens(x, layout), grouped.rowwise(padded))
+    same(grouped.cast_weight_grad_operand(x, layout), grouped.groupwise_columns(padded, layout))
+    columns = x[:, 128:384]  # a piece of the float32 weight gradient reads a column slice
+    same(grouped.cast_weight_grad_operand(columns, layout),
+         grouped.groupwise_columns(grouped.pad_groups(columns, layout), layout))
+    x[40] = float("nan")  # a NaN row stays NaN, scale and all
+    same(grouped.cast_tokens(x, layout), grouped.rowwise(grouped.pad_groups(x, layout)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_input_gradient_weight_cast_writes_the_torch_bytes(dtype):
+    torch.manual_seed(2)
+    w = (torch.randn(8, 1024, 384, device="cuda") * torch.logspace(-3, 1, 384, device="cuda")).to(dtype)
+    same(grouped.cast_weight_input_grad(w), grouped.rowwise(w.transpose(-2, -1)))
+
+
+def test_the_amax_pass_reduces_every_segment():
+    torch.manual_seed(3)
+    x = torch.randn(1000, 300, device="cuda")
+    amax = transposed_cast.column_amax(x, transposed_cast.TILES_128, 8)[0]
+    expected = torch.nn.functional.pad(x.abs(), (0, 0, 0, 24)).reshape(8, 128, 300).amax(1)
+    assert torch.equal(amax, expected)
+    x[3, 4] = float("nan")
+    assert transposed_cast.column_amax(x, transposed_cast.ALL_ROWS, 1)[0, 0, 4] == float("inf")
