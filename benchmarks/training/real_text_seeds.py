@@ -14,7 +14,7 @@ other has not, with the largest one's size. Then the mean difference over seeds,
 error and a 95% interval (Student's t). `--png` draws each seed's difference along the held-out
 curve.
 
-    python3 benchmarks/training/real_text_seeds.py --row fp8plug-blockwise docs/results/h200/session*/ \\
+    python3 benchmarks/training/real_text_seeds.py --row fp8plug-blockwise docs/results/h200/ \\
         --png docs/real_text_seeds.png
 """
 
