@@ -471,7 +471,7 @@ def child_command(row: str, args, path: Path) -> list:
 
 def stop(proc, tmp: Path) -> None:
     """End a row's launch: SIGTERM to the launcher (it ends its workers), then SIGKILL to whatever
-    is left of it and of the workers (their own sessions; pids they wrote at start)."""
+    is left of it and of the workers (their own process groups; pids they wrote at start)."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)

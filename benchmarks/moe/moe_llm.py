@@ -64,8 +64,8 @@ MODELS = {
     "mixtral": dict(arch="mixtral", layers=2, hidden=4096, expert_ffn=14336, experts=8, top_k=2, heads=32,
                     kv_heads=8, head_dim=128, vocab=32000, seq=2048, batch=4),
     # Qwen3-MoE-shaped: 3.0B parameters at 4 layers; the top-8 routing weights renormalised to sum to one, as
-    # Qwen3-30B-A3B's config has them (norm_topk_prob, whose transformers default is False; before session 24 the
-    # default ran here, each token's expert outputs weighted by about 8/128 in all)
+    # Qwen3-30B-A3B's config has them (norm_topk_prob, whose transformers default, False, would weight each token's
+    # expert outputs by about 8/128 in all)
     "qwen3moe": dict(arch="qwen3moe", layers=4, hidden=2048, expert_ffn=768, experts=128, top_k=8, heads=32,
                      kv_heads=4, head_dim=128, vocab=151936, seq=2048, batch=4, norm_topk_prob=True),
     # the CPU smoke size

@@ -3,7 +3,8 @@ benchmark here (hf_llama.py, lora_fp8_base.py, benchmarks/moe/moe_llm.py) launch
 
 Why: a row's time to its first step, and its memory, are a first run's only in a fresh process whose
 inductor and Triton caches start empty; and a row that runs past its time must take its compile
-workers down with it, so it runs in a session of its own and the whole group is killed.
+workers down with it, so it runs in a process group of its own (start_new_session) and the whole
+group is killed.
 """
 
 from __future__ import annotations

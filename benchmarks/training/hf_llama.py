@@ -98,7 +98,7 @@ PRESETS = {
     # Llama-3's shape (vocab 128256) at 8 layers, where lm_head and the loss are a large share of
     # the step. "Batch as fits": 2 x 4096 is the largest power of two every row fits on one H100
     # with fp32 AdamW state (bf16 eager peaks at 52.6 GB at 1 and 67.0 at 2, so 4 would need about
-    # 96); earlier runs used batch 1 (docs/performance.md)
+    # 96)
     "llama3": dict(layers=8, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=4096, batch=2),
     # CPU smoke size: every Linear width a multiple of 16 so that every engine converts it
     "toy": dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=64, batch=2),

@@ -26,8 +26,8 @@ Rows, each its own process (fresh inductor/triton caches):
   accelerate-ao       accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(...)])
 The fp8plug and te rows set auto_filter=False: every Linear but the LM head runs in FP8, which is
 what this benchmark measures (at hidden 768 the automatic speed filter would keep them in bf16,
-FP8 being slower there; before session 22 it was on for the te row only, which then ran its MLPs
-and head in FP8 and its attention in bf16). A row whose recipe this fp8plug lacks, or whose engine
+FP8 being slower there; with it on, the te row would run only its MLPs and head in FP8 and its
+attention in bf16). A row whose recipe this fp8plug lacks, or whose engine
 is not installed, is an error row saying why. --watch-interval N turns fp8plug's numerics watch
 on in the fp8plug rows (its cost shows in `watch_step_ms` against `step_ms`).
 

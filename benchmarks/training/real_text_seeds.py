@@ -14,7 +14,7 @@ other has not, with the largest one's size. Then the mean difference over seeds,
 error and a 95% interval (Student's t). `--png` draws each seed's difference along the held-out
 curve.
 
-    python3 benchmarks/training/real_text_seeds.py --row fp8plug-blockwise docs/results/h200/session*/ \\
+    python3 benchmarks/training/real_text_seeds.py --row fp8plug-blockwise docs/results/h200/ \\
         --png docs/real_text_seeds.png
 """
 
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="+", help="directories (searched recursively) or files of real_text.py row JSONs")
     p.add_argument("--row", required=True, help="the row compared with bf16; several names (comma-separated) "
-                   "count as one, e.g. fp8plug-default,fp8plug-bf16head (its name before session 22)")
+                   "count as one, e.g. fp8plug-default,fp8plug-bf16head (older records' name for the "
+                   "head-in-bf16 default)")
     p.add_argument("--png", help="write the per-seed curves of the difference here")
     args = p.parse_args(argv)
     summary = summarise(complete_runs(args.dirs), set(args.row.split(",")))

@@ -8,7 +8,7 @@ compiling it assumes packing and builds the mask (read in transformers 5.10, 5.1
 model with a KV cache in use skips the check). SDPA then cannot take
 its causal kernels: cuDNN runs the full square with the mask read, or torch falls back to its
 memory-efficient kernel, and grouped-query models repeat K and V to every head first. Measured
-on the benchmark Llama (H100, docs/performance.md, "Session 11"): attention 0.77 + 2.34 ms a
+on the benchmark Llama (H100, docs/attention.md): attention 0.77 + 2.34 ms a
 layer compiled against 0.26 + 0.70 eagerly (forward + backward), and 33 ms a step under PEFT
 LoRA, where the memory-efficient kernel ran.
 

@@ -111,19 +111,19 @@ ENGINES: Dict[str, EngineRow] = {row.name: row for row in (
     ),
     EngineRow(
         "native", "fp8plug.backends.native.engine:NativeEngine",
-        # The Hugging Face Llama of benchmarks/hf_llama.py on an H100, against bf16 compiled: compiled
-        # 1.45x (session 12), dynamic tying delayed and reaching its first step sooner; eager 1.22x
-        # (session 14: 1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x in that call),
-        # dynamic, whose casts of a shared input are made once and take the fused norms' amax, which
-        # delayed scaling's per-layer scales cannot
+        # The Hugging Face Llama of benchmarks/training/hf_llama.py on an H100, against bf16 compiled:
+        # compiled 1.45x, dynamic tying delayed and reaching its first step sooner; eager 1.22x
+        # (1.45x bf16 eager, which runs at 0.84x bf16 compiled; TE 1.27x beside it), dynamic, whose
+        # casts of a shared input are made once and take the fused norms' amax, which delayed
+        # scaling's per-layer scales cannot
         measured={"compiled": Speed(1.45, "dynamic"), "eager": Speed(1.22, "dynamic")},
         costs={SM90: Costs(peak_tflops=1400.0, bandwidth_gbs=3150.0, overhead_us=62.3,
                            note=H200_CALIBRATION.format(err="4.5%"))},
         costs_scaling="delayed",
         # per-tensor dynamic casts move the bytes the model counts (an amax read, the cast read, the
-        # FP8 writes) and tied delayed end to end; without this the automatic choice (dynamic) ran
-        # with no filter at all on sm_90 (found in session 22: Qwen3-MoE's experts, predicted 0.70x,
-        # ran FP8 at 0.66x bf16)
+        # FP8 writes) and tied delayed end to end; without this the automatic choice (dynamic) would
+        # run with no filter at all on sm_90 (Qwen3-MoE's experts, predicted 0.70x, run FP8 at 0.66x
+        # bf16)
         costs_also=("dynamic",),
     ),
 )}

@@ -54,7 +54,7 @@ def test_env_says_whether_the_speed_filter_acts(monkeypatch):
     assert "auto_filter  off" in env_report("cpu")
     h100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
     assert auto_filter_status("native", h100).startswith("on: Linears predicted below 0.85x")
-    # at the scaling the automatic choice runs native with, as the Accelerator does (session 22)
+    # at the scaling the automatic choice runs native with, as the Accelerator does
     assert auto_filter_status("native", h100, "dynamic").startswith("on:")
     assert auto_filter_status("native", h100, "rowwise").startswith("off")
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")

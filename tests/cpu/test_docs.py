@@ -111,6 +111,32 @@ def test_links_and_example_paths_exist():
     assert not missing, missing
 
 
+# A page says what is true now: the record of how it got there is git's, not the page's.
+HISTORY = re.compile(r"\bsessions?\b|\bcalls? \d|\bcall\d+_", re.IGNORECASE)
+MAX_LINES = {"performance.md": 300}
+MAX_LINES_OTHER = 350
+
+
+def test_pages_are_references_not_lab_notebooks():
+    """No page (docs/*.md, README.md, the notes beside the results) speaks of the session or call
+    that measured something, and every page stays short enough to read: performance.md under 300
+    lines, the others under 350 (results are linked, not retold)."""
+    pages = DOCS + sorted((ROOT / "docs" / "results").rglob("*.md"))
+    history = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in pages
+               for n, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not history, history
+    long = [f"{p.name}: {n} lines" for p in DOCS
+            if (n := len(p.read_text().splitlines())) >= MAX_LINES.get(p.name, MAX_LINES_OTHER)]
+    assert not long, long
+
+
+def test_results_are_named_by_device_and_date():
+    """docs/results/<device>/<date>[-what]/...: no folder or file named after a session or a call."""
+    named = [str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "results").rglob("*")
+             if re.search(r"session|^call\d*_|^call\d*\.", p.name, re.IGNORECASE)]
+    assert not named, named
+
+
 def test_troubleshooting_names_every_public_error_class():
     """Each exception class fp8plug defines for users has its entry (BenchSkip never leaves bench)."""
     text = (ROOT / "docs" / "troubleshooting.md").read_text()

@@ -74,7 +74,7 @@ def test_eager_cuda_only_and_never_inside_torch_compile():
 
 def test_a_cast_past_its_compile_limit_runs_unfused_with_one_warning(monkeypatch, caplog):
     # each weight shape is an entry of the compiled cast; a process that builds many MoE models
-    # (a test session) passed dynamo's 8 and, under fullgraph, failed. Limit 1 here: the second
+    # (one pytest process) can pass dynamo's 8, an error under fullgraph. Limit 1 here: the second
     # shape runs as torch ops, the same bytes, and says so once.
     monkeypatch.setattr(grouped_cast, "RECOMPILE_LIMIT", 1)
     monkeypatch.setattr(grouped_cast, "_OVER_LIMIT", set())

@@ -64,8 +64,9 @@ def free_port() -> int:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End a launcher that is still running, and the workers it started (torchrun puts each in a
-    session of its own): SIGTERM first, which torchrun forwards to its workers, then SIGKILL."""
+    """End a launcher that is still running, and the workers it started (torchrun starts each with
+    start_new_session, a process group of its own): SIGTERM first, which torchrun forwards to its
+    workers, then SIGKILL."""
     import psutil
 
     try:

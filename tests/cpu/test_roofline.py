@@ -244,8 +244,8 @@ def test_auto_filter_converts_every_linear_of_the_probe_and_1b_models():
 
 def test_auto_filter_is_on_for_the_automatic_choice_on_sm90():
     """The Accelerator tunes an automatically chosen engine to the scaling it was measured fastest
-    with (native: dynamic); the filter must still find costs for it. Until session 22 it did not,
-    so on an H100 the default run had no filter (Qwen3-MoE's experts ran FP8 at 0.66x bf16)."""
+    with (native: dynamic); the filter must still find costs for it, or on an H100 the default run
+    has no filter (Qwen3-MoE's experts then run FP8 at 0.66x bf16)."""
     from fp8plug.backends import select_backend
 
     for compiled in (True, None, False):

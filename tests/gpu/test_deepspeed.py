@@ -35,7 +35,7 @@ MAX_GAP = 0.01
 # *below* it (2x H200: -1.5/-1.5/-1.8% at ZeRO 1/2/3, -0.9% from zero.Init). That is TE's numerics,
 # not DeepSpeed's: the same te recipe without DeepSpeed ends 2.3-3.5% below bf16, while TE's
 # current scaling (+0.6% under ZeRO 1 and 3) and fp8plug's native delayed scaling track bf16
-# (docs/distributed.md, results/h200x2/deepspeed/te_delayed_study_session6.json). For te the bound
+# (docs/distributed.md, results/h200x2/deepspeed/te_delayed_study.json). For te the bound
 # is one-sided: no more than 1% above bf16, which is what losing training would look like.
 BELOW_BF16_OK = {"te"}
 MODEL = ["--hidden", "512", "--ffn", "1536", "--layers", "4", "--heads", "8", "--kv-heads", "4",

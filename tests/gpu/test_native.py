@@ -91,7 +91,8 @@ def test_compiled_norm_is_fused_into_the_fp8_cast_on_gpu():
     """The norm fused into the FP8 cast, with the GPU's Triton kernels: one kernel takes the
     RMSNorm's statistics and the amax of its output, the cast recomputes the normalised value, and
     the forward allocates q/k/v's shared input only in FP8. (The Llama's profile shows the same kernel,
-    `triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt`, docs/performance.md.)"""
+    `triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt`,
+    docs/results/h100/2026-11-24-llama3-first-step/norm_fusion_kernels.py.txt.)"""
     from tests.support.fusion import check_norm_fused_into_the_cast
 
     # the norm's statistics and the amax of its output (Triton's max2) in one kernel

@@ -6,7 +6,8 @@ dimension contiguous on both sides). With delayed scaling the scale is known bef
 read, so one pass can cast, write both layouts and find the next step's amax, as
 TransformerEngine's cast-transpose does; the first-step fallback is decided on the GPU. The native
 engine uses it eagerly on CUDA; compiled, on the CPU or without Triton it casts with torch ops
-(fp8plug.backends.native.scaling), which give the same bytes. Measured: docs/performance.md.
+(fp8plug.backends.native.scaling), which give the same bytes. Measured against TransformerEngine's cast:
+docs/results/h100/2026-11-23-cast-launches/ (bench_eager_rounds.json, fused_cast_tiles.json).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def usable(t: torch.Tensor) -> bool:
     """Whether the fused cast runs on `t`: a 2-D CUDA tensor, the op built, and no torch.compile
     tracing. Under torch.compile the torch-op cast is kept: the compiler fuses it into the kernel
     that makes the tensor (a norm, an activation), and on a whole Hugging Face Llama that was
-    faster and 2.3 GB lighter than this op (docs/performance.md)."""
+    faster and 2.3 GB lighter than this op
+    (docs/results/h100/2026-11-23-cast-launches/hf_llama_delayed_fused_compiled.json)."""
     return bool(_READY) and t.is_cuda and t.dim() == 2 and not torch.compiler.is_compiling()
 
 

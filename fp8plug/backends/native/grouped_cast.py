@@ -119,7 +119,7 @@ def compiled(function: Callable) -> Callable:
 
 # Each role keeps one compiled entry per weight shape and per dispatch-key set (a parameter cast
 # eagerly and the same weight inside a compiled model's operator differ), so a process that trains
-# several models (a test session, a sweep) passed dynamo's default of 8 entries per function, which
+# several models (one pytest process, a sweep) can pass dynamo's default of 8 entries per function, which
 # under fullgraph is an error (seen on an H200: the ninth tiny MoE of a pytest run failed). The casts
 # get a limit of their own; past it they run as the torch ops they compile (the same bytes), with one
 # warning.
