@@ -18,7 +18,6 @@ one change (fp8plug.checkpoints.export_dir).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -163,8 +162,8 @@ def load_fp8_checkpoint(directory: str, model: Optional[nn.Module] = None) -> Di
     the plain architecture, to check the checkpoint without an inference client. Keys are the
     checkpoint's (save_pretrained's names); given the `model` (its architecture, any weights),
     they are the model's, per-expert weights put back together into its 3-D experts parameters."""
-    with open(os.path.join(directory, "config.json")) as f:
-        block = (json.load(f).get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
+    config = formats.read_json(os.path.join(directory, "config.json"), "load_fp8_checkpoint")
+    block = (config.get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
     tensors = formats.read_weights(directory)
     state = {}
     for name, tensor in tensors.items():

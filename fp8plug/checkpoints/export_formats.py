@@ -198,6 +198,25 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
+def read_json(path: str, who: str, keys: Iterable[str] = ()) -> dict:
+    """The JSON object in file `path` (a checkpoint's config.json or index), with `keys` present;
+    a file that is not one, or lacks one of them, is refused naming the file (`who`: the caller,
+    for the message) rather than with the parser's bare line and column."""
+    with open(path) as f:
+        try:
+            entry = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{who}: {path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                             "an interrupted copy may have cut it short: copy or write the checkpoint again.") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{who}: {path} holds a JSON {type(entry).__name__}, not an object; copy or write the "
+                         "checkpoint again.")
+    missing = [key for key in keys if key not in entry]
+    if missing:
+        raise ValueError(f"{who}: {path} has no {', '.join(map(repr, missing))}; copy or write the checkpoint again.")
+    return entry
+
+
 def write_json(path: str, entry: dict) -> None:
     with open(path, "w") as f:
         json.dump(entry, f, indent=2, sort_keys=True)
@@ -231,8 +250,7 @@ def read_weights(directory: str) -> Dict[str, torch.Tensor]:
     index = os.path.join(directory, INDEX_NAME)
     if not os.path.isfile(index):
         return load_file(os.path.join(directory, WEIGHTS_NAME))
-    with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
+    files = sorted(set(read_json(index, "reading the FP8 checkpoint", ("weight_map",))["weight_map"].values()))
     tensors: Dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(os.path.join(directory, name)))
