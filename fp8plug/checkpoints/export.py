@@ -18,7 +18,6 @@ one change (fp8plug.checkpoints.export_dir).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -94,14 +93,17 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     """Write `model` (a transformers PreTrainedModel, exported or still converted by any engine) to
     `directory` as an FP8 inference checkpoint: safetensors (sharded past `max_shard_size`, with an
     index), config.json with its `quantization_config`, generation_config.json where the model
-    generates. `layout`: "block" (transformers, vLLM, SGLang) or "per_tensor" (vLLM, SGLang);
+    generates. `layout`: "block" (transformers, vLLM, SGLang) or "per_tensor" (vLLM, SGLang; its
+    config makes transformers refuse it);
     fp8plug.checkpoints.export_formats. The model is not changed; an older checkpoint in `directory` is
     replaced whole, other files there are kept (fp8plug.checkpoints.export_dir).
 
     Kept in high precision, and listed in the config: the output head and weights tied to another
     tensor, the Linears `modules_to_ignore` names (fully-qualified, checked as FP8RecipeKwargs
     checks them), those the model class keeps in float32, Linears whose width is not a multiple of
-    16, and the siblings vLLM fuses with any of these (q/k/v, gate/up).
+    16, in the block layout those with a width above 128 that is not a multiple of 128 (which
+    transformers would read wrong: export_formats.block_width_problem), and the siblings vLLM
+    fuses with any of these (q/k/v, gate/up).
 
     MoE experts (transformers 5's 3-D `gate_up_proj`/`down_proj`) are written in FP8 one weight
     per expert and projection, under the per-expert names transformers' `save_pretrained` writes
@@ -121,12 +123,18 @@ def save_fp8_checkpoint(model: nn.Module, directory: str, *, modules_to_ignore: 
     state = _plain_weights(inner)
     linears = _linears(inner)
     report = FP8CheckpointReport(os.fspath(directory), layout)
-    report.kept = _kept(inner, linears, state, ignore)
+    report.kept = _kept(inner, linears, state, ignore, layout)
     report.quantized = [name for name in linears if name not in report.kept]
     # MoE experts: FP8 per expert; every tensor under save_pretrained's names
     tensors, experts = export_experts.add_to_checkpoint(inner, report, _tensors(state, report.quantized, layout),
                                                         layout, ignore)
     if layout == "block":
+        wide = [n for n in report.kept if n in linears and formats.block_width_problem(*linears[n].weight.shape)]
+        if wide:
+            logger.warning("fp8plug: %d Linears (%s%s) stay in high precision in the block layout: a width above 128 "
+                           "that is not a multiple of 128 is read wrong by transformers; layout='per_tensor' stores "
+                           "them in FP8 for vLLM and SGLang.", len(wide), ", ".join(wide[:3]),
+                           ", ..." if len(wide) > 3 else "")
         refused = formats.block_warnings({n: linears[n] for n in report.quantized})
         refused += export_experts.block_warnings(inner, experts)
         if refused:
@@ -154,8 +162,8 @@ def load_fp8_checkpoint(directory: str, model: Optional[nn.Module] = None) -> Di
     the plain architecture, to check the checkpoint without an inference client. Keys are the
     checkpoint's (save_pretrained's names); given the `model` (its architecture, any weights),
     they are the model's, per-expert weights put back together into its 3-D experts parameters."""
-    with open(os.path.join(directory, "config.json")) as f:
-        block = (json.load(f).get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
+    config = formats.read_json(os.path.join(directory, "config.json"), "load_fp8_checkpoint")
+    block = (config.get("quantization_config") or {}).get("weight_block_size") or [formats.BLOCK]
     tensors = formats.read_weights(directory)
     state = {}
     for name, tensor in tensors.items():
@@ -291,7 +299,7 @@ def _linears(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 def _kept(model: nn.Module, linears: Dict[str, nn.Module], state: Dict[str, torch.Tensor],
-          ignore: Sequence[str]) -> Dict[str, str]:
+          ignore: Sequence[str], layout: str) -> Dict[str, str]:
     """name -> why, for each of `linears` that stays in high precision (save_fp8_checkpoint's list)."""
     holders = defaultdict(list)  # data_ptr -> the state-dict keys sharing that storage
     for key, tensor in state.items():
@@ -321,6 +329,8 @@ def _kept(model: nn.Module, linears: Dict[str, nn.Module], state: Dict[str, torc
             kept[name] = f"weight in {module.weight.dtype}"
         else:
             why = linear_alignment_problem(module)
+            if not why and layout == "block":
+                why = formats.block_width_problem(*module.weight.shape)
             if why:
                 kept[name] = why
     siblings = formats.fused_siblings(linears)

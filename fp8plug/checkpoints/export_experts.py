@@ -15,9 +15,11 @@ Why this layout and not the model's own 3-D names (`experts.gate_up_proj` [E, 2I
   catches `...w1.weight_scale_inv` (its pattern is searched, not anchored) and merges the block
   scales into `FP8Experts.gate_up_proj_scale_inv` [E, 2*ceil(I/128), ceil(H/128)] on a GPU; on a
   CPU (no FP8 kernels) its quantizer dequantizes each expert before merging (`Fp8Dequantize`).
-  Per-tensor scalars do not stack into FP8Experts' per-tensor [E, 2, 1] scale, so transformers
-  reads the per-tensor layout only dequantized (on a CPU, or `FineGrainedFP8Config(dequantize=True)`,
-  with `key_mapping=TRANSFORMERS_PER_TENSOR_KEYS` as for Linears); vLLM and SGLang read both.
+  Per-tensor scalars do not stack into FP8Experts' per-tensor [E, 2, 1] scale, and transformers
+  names per-tensor scales otherwise: the per-tensor layout's config makes transformers refuse it
+  (export_formats.PER_TENSOR_SCALE_FMT); vLLM and SGLang read both. As for Linears, in the block
+  layout experts whose per-expert weights have a width above 128 that is not a multiple of 128
+  stay in high precision (transformers' dequantizer would read them wrong).
 The names are found by running transformers' reverse conversion (`revert_weight_conversion`, what
 `save_pretrained` runs) on a small probe, so every model with such a mapping gets its own names,
 and the rest of the checkpoint is renamed the same way (Mixtral's router: `block_sparse_moe.gate`).
@@ -73,17 +75,22 @@ class ExpertsPlan:
     kept: Dict[str, str] = field(default_factory=dict)  # fqn -> why in high precision
 
 
-def plan(model: nn.Module, ignore: Iterable[str] = ()) -> ExpertsPlan:
-    """Which experts modules of `model` the checkpoint stores in FP8, and under which names."""
+def plan(model: nn.Module, ignore: Iterable[str] = (), layout: str = "block") -> ExpertsPlan:
+    """Which experts modules of `model` the checkpoint stores in FP8 in `layout`, and under which
+    names (in the block layout, none whose per-expert weights transformers would read wrong:
+    export_formats.block_width_problem)."""
     result, ignore = ExpertsPlan(), set(ignore)
     for fqn, module in experts_modules(model):
-        layout, why = per_expert_layout(model, fqn, module)
-        if layout is not None:
-            result.layouts[fqn] = layout
+        layout_slots, why = per_expert_layout(model, fqn, module)
+        if layout_slots is not None:
+            result.layouts[fqn] = layout_slots
         if why is None and fqn in ignore:
             why = "named in modules_to_ignore"
         if why is None and module.down_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why = f"expert weights in {module.down_proj.dtype}"
+        if why is None and layout == "block" and layout_slots is not None:
+            why = next(filter(None, (formats.block_width_problem(*expert_rows(getattr(module, slot.param), slot).shape)
+                                     for slot in layout_slots.values())), None)
         if why is None:
             result.fp8.append(fqn)
         else:
@@ -201,7 +208,7 @@ def add_to_checkpoint(model: nn.Module, report, tensors: Dict[str, torch.Tensor]
     """What both FP8 writers (save_fp8_checkpoint, merge_and_export) do for experts: plan them,
     record in `report` which are stored in FP8 (`experts`) and which kept and why (`kept`), and
     return `tensors` under the checkpoint's names with the experts per expert, and the plan."""
-    experts = plan(model, ignore)
+    experts = plan(model, ignore, layout)
     report.kept.update(experts.kept)
     report.experts = experts.fp8
     return checkpoint_tensors(model, tensors, experts, layout), experts

@@ -6,14 +6,17 @@ activations quantized by the client at run time (`activation_scheme: "dynamic"`)
 - "block" (`LAYOUTS[0]`, the default): one scale per 128x128 tile, `<linear>.weight_scale_inv` of
   shape [ceil(out/128), ceil(in/128)] (a multiplier despite its name, DeepSeek-V3's convention),
   `weight_block_size: [128, 128]`. transformers' FP8 loader (FineGrainedFP8Config), vLLM and
-  SGLang all read it. vLLM fuses q/k/v and gate/up into one layer and then needs each part but the
-  last to have a multiple of 128 rows (all of them under tensor parallelism, and in its older
-  releases): `block_warnings`.
+  SGLang all read it. transformers' dequantizer (every load without FP8 GEMMs, and
+  `dequantize=True`) derives the tile from the scale grid, so a weight with a width above 128 that
+  is not a multiple of 128 would be read wrong or refused: such Linears stay in high precision in
+  this layout (`block_width_problem`). vLLM fuses q/k/v and gate/up into one layer and then needs
+  each part but the last to have a multiple of 128 rows (all of them under tensor parallelism, and
+  in its older releases): `block_warnings`.
 - "per_tensor": one scalar `<linear>.weight_scale` per Linear, `weight_block_size: null`: what vLLM
   and SGLang read for per-tensor FP8 (any shape; a fused layer takes one scale per part).
-  transformers' per-tensor FP8Linear names the same scalar `weight_scale_inv`, so its
-  `from_pretrained` needs `key_mapping=TRANSFORMERS_PER_TENSOR_KEYS` for this layout; without it
-  the scale is dropped as an unexpected key.
+  transformers' per-tensor FP8Linear names that scalar `weight_scale_inv`, so its `from_pretrained`
+  would drop the scales as unexpected keys and run with new ones; the layout's config therefore
+  carries a `scale_fmt` that transformers refuses, with the reason as its value (`PER_TENSOR_SCALE_FMT`).
 
 `quantization_config` lists the Linears kept in high precision under both names clients read:
 `modules_to_not_convert` (transformers; given, it replaces transformers' own default list, so
@@ -34,7 +37,12 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 BLOCK = 128
 LAYOUTS = ("block", "per_tensor")
 SCALE_NAMES = {"block": "weight_scale_inv", "per_tensor": "weight_scale"}
-TRANSFORMERS_PER_TENSOR_KEYS = {r"\.weight_scale$": ".weight_scale_inv"}
+# The per-tensor layout's `scale_fmt`: transformers' FineGrainedFP8Config (5.10.1 to 5.24 at least)
+# takes only "float" or "ue8m0" there and stops `from_pretrained` with this value in its message;
+# vLLM's and SGLang's Fp8Config do not read the field (their DeepSeek code compares it with "ue8m0":
+# float scales, as these are).
+PER_TENSOR_SCALE_FMT = ("float scales named weight_scale (fp8plug's per_tensor layout, for vLLM and SGLang); "
+                        "transformers reads layout='block'")
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -124,11 +132,31 @@ def dequantize(fp8: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> to
 
 
 def quantization_config(layout: str, kept: Iterable[str]) -> dict:
-    """config.json's `quantization_config` for `layout` with the Linears `kept` in high precision."""
+    """config.json's `quantization_config` for `layout` with the Linears `kept` in high precision
+    (per_tensor: with the `scale_fmt` that makes transformers refuse it, PER_TENSOR_SCALE_FMT)."""
     kept = sorted(kept)
-    return {"quant_method": "fp8", "activation_scheme": "dynamic",
-            "weight_block_size": [BLOCK, BLOCK] if layout == "block" else None,
-            "modules_to_not_convert": kept, "ignored_layers": kept}
+    entry = {"quant_method": "fp8", "activation_scheme": "dynamic",
+             "weight_block_size": [BLOCK, BLOCK] if layout == "block" else None,
+             "modules_to_not_convert": kept, "ignored_layers": kept}
+    if layout == "per_tensor":
+        entry["scale_fmt"] = PER_TENSOR_SCALE_FMT
+    return entry
+
+
+def block_width_problem(rows: int, cols: int) -> Optional[str]:
+    """Why a [rows, cols] weight cannot be stored in the block layout, or None.
+
+    transformers' FP8 dequantizer (5.10.1 to 5.24: `Fp8Dequantize`, which every load without FP8
+    GEMMs runs) takes the tile size from the scale grid, rows // ceil(rows / 128): a width above
+    128 that is not a multiple of 128 gives a smaller tile (192 rows in two tiles read as 2 x 96, so
+    rows 96-127 take the second tile's scale: right only where the two tiles' ranges happen to
+    match) or, where it does not divide (320), a refusal. A width up to 128 is one tile whatever it
+    is, and reads right."""
+    bad = [f"{name}={n}" for name, n in (("out_features", rows), ("in_features", cols)) if n > BLOCK and n % BLOCK]
+    if not bad:
+        return None
+    return (f"{' and '.join(bad)} not a multiple of {BLOCK}: transformers would read its partial {BLOCK}x{BLOCK} "
+            "tiles wrong (layout='per_tensor' stores it in FP8 for vLLM and SGLang)")
 
 
 def fused_siblings(names: Iterable[str]) -> Dict[str, List[str]]:
@@ -170,6 +198,25 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
+def read_json(path: str, who: str, keys: Iterable[str] = ()) -> dict:
+    """The JSON object in file `path` (a checkpoint's config.json or index), with `keys` present;
+    a file that is not one, or lacks one of them, is refused naming the file (`who`: the caller,
+    for the message) rather than with the parser's bare line and column."""
+    with open(path) as f:
+        try:
+            entry = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{who}: {path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                             "an interrupted copy may have cut it short: copy or write the checkpoint again.") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{who}: {path} holds a JSON {type(entry).__name__}, not an object; copy or write the "
+                         "checkpoint again.")
+    missing = [key for key in keys if key not in entry]
+    if missing:
+        raise ValueError(f"{who}: {path} has no {', '.join(map(repr, missing))}; copy or write the checkpoint again.")
+    return entry
+
+
 def write_json(path: str, entry: dict) -> None:
     with open(path, "w") as f:
         json.dump(entry, f, indent=2, sort_keys=True)
@@ -203,8 +250,7 @@ def read_weights(directory: str) -> Dict[str, torch.Tensor]:
     index = os.path.join(directory, INDEX_NAME)
     if not os.path.isfile(index):
         return load_file(os.path.join(directory, WEIGHTS_NAME))
-    with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
+    files = sorted(set(read_json(index, "reading the FP8 checkpoint", ("weight_map",))["weight_map"].values()))
     tensors: Dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(os.path.join(directory, name)))

@@ -5,7 +5,8 @@ way round it dequantizes the whole base to bf16 (twice the memory) before FP8 tr
 same weights back to FP8. Here each FP8 Linear of the checkpoint becomes a
 `FrozenFP8Linear` (fp8plug.backends.native.frozen_base) holding the stored codes and a float32
 scale, fed straight to the FP8 GEMMs; everything else (embeddings, norms, the Linears the
-checkpoint keeps in high precision such as lm_head) loads in `dtype`.
+checkpoint keeps in high precision such as lm_head) loads in `dtype`. PEFT's own merge of such a
+model is refused with the way that works (fp8plug.checkpoints.fp8_base_merge).
 
 The model is built on the meta device (buffers such as the rotary frequencies on the CPU, as
 accelerate's `init_empty_weights` does) and filled one tensor at a time, read by safetensors
@@ -20,7 +21,6 @@ high-precision weights like the embeddings.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Dict, Optional
@@ -32,6 +32,7 @@ from fp8plug.backends import get_backend
 from fp8plug.backends.base import offers
 from fp8plug.checkpoints import export_experts
 from fp8plug.checkpoints import export_formats as formats
+from fp8plug.checkpoints.fp8_base_merge import FP8_BASE, watch_peft_merges
 from fp8plug.layers.gemm_counts import count_gemms
 from fp8plug.layers.rules import module_paths, replace_module
 
@@ -134,6 +135,9 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
     head = _quantize_head(engine, model, paths, dtype) if fp8_head and not trainable else None
     _refuse_missing(model, path)
     model.to(device)  # the buffers built on the CPU (FrozenFP8Linear keeps its codes in FP8)
+    if loaded["fp8"] and not trainable:  # PEFT's own merge of this model is refused, naming merge_and_export
+        model.__dict__[FP8_BASE] = True
+        watch_peft_merges()
     for fqn, module in model.named_modules():
         if getattr(module, "frozen_fp8", False):
             count_gemms(model, fqn, module, engine.name)
@@ -150,8 +154,8 @@ def load_fp8_weights(model: nn.Module, path, *, device=None, dtype: torch.dtype 
 
 
 def _quantization_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        quantization = json.load(f).get("quantization_config") or {}
+    config = formats.read_json(os.path.join(path, "config.json"), "load_fp8_base")
+    quantization = config.get("quantization_config") or {}
     if quantization.get("quant_method") != "fp8":
         raise ValueError(
             f"load_fp8_base: {path}/config.json has quantization_config {quantization or None}, not an FP8 checkpoint "
@@ -170,8 +174,7 @@ def _tensor_files(path: str) -> Dict[str, str]:
     """key -> the safetensors file holding it (through the index when sharded)."""
     index = os.path.join(path, formats.INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
+        return dict(formats.read_json(index, "load_fp8_base", ("weight_map",))["weight_map"])
     single = os.path.join(path, formats.WEIGHTS_NAME)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"load_fp8_base: {path} has neither {formats.WEIGHTS_NAME} nor {formats.INDEX_NAME}.")

@@ -9,7 +9,8 @@ computes them (`get_delta_weight`: scaling, fan_in_fan_out), the sum quantized i
 for and moved to the CPU. The in-memory model is not changed, so training can go on.
 
 The checkpoint quantizes exactly the Linears that were FP8 in the source (every `FrozenFP8Linear`
-but a head quantized only at load, `fp8_head`) and keeps the rest as they are, listed in
+but a head quantized only at load, `fp8_head`, and, in the block layout, those whose width
+transformers would read wrong: export_formats.block_width_problem) and keeps the rest as they are, listed in
 `quantization_config` as `save_fp8_checkpoint` lists them; the files are written by the same
 writer (fp8plug.checkpoints.export_formats, the directory swapped in whole by export_dir).
 """
@@ -67,8 +68,12 @@ def merge_and_export(model: nn.Module, directory, *, layout: str = "block",
             weight = holder.dequantized_weight(torch.float32)
             for delta in deltas.get(stem, ()):
                 weight = weight + delta.float()
+            too_wide = formats.block_width_problem(*weight.shape) if layout == "block" else None
             if getattr(holder, "quantized_at_load", False):  # the source kept it in high precision
                 report.kept[stem] = "kept in high precision by the source checkpoint (quantized only at load)"
+                tensors[name] = weight.to(holder.compute_dtype).cpu()
+            elif too_wide:  # as save_fp8_checkpoint keeps it: transformers would read its tiles wrong
+                report.kept[stem] = too_wide
                 tensors[name] = weight.to(holder.compute_dtype).cpu()
             else:
                 report.quantized.append(stem)

@@ -121,7 +121,7 @@ def load_state(accelerator, accelerate_load, input_dir, load_kwargs, fp8_state: 
     before = None
     if saved is not None:
         before = state.snapshot()
-        state.load_state_dict(saved)  # the engine checks converted layers and shapes; all or nothing
+        state.load_state_dict(saved, warn=False)  # the engine checks converted layers and shapes; all or nothing
     try:
         result = accelerate_load(path, load_kwargs, **kwargs)
     except BaseException:
@@ -129,7 +129,7 @@ def load_state(accelerator, accelerate_load, input_dir, load_kwargs, fp8_state: 
             state.restore(before)
         raise
     if saved is not None:
-        state.load_state_dict(saved)  # again: nothing accelerate loaded may have touched it
+        state.load_state_dict(saved, warn=False)  # again: nothing accelerate loaded may have touched it
     return result
 
 

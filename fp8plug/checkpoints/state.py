@@ -9,7 +9,9 @@ round. `install_plain_state_dict` puts two hooks on the model's root to make `st
 The FP8 scaling state (amax histories, scales) is not weights; `FP8CheckpointState` carries it
 through `Accelerator.save_state` / `load_state` and Trainer checkpoints, so a resumed run
 continues exactly where it stopped; the numerics guard's moves of layers come along and are made
-again before the layers' state is loaded. The state is saved with the recipe fields it depends on
+again before the layers' state is loaded, and the numerics watch's state (its step count, checks
+and the guard's streaks of bad checks) comes along too, so the checks, the tracker steps and the
+guard's moves land where they would have without the stop. The state is saved with the recipe fields it depends on
 (`RECIPE_FIELDS`), and a run whose recipe differs in one of them is refused: scales worked out
 for one format or margin are wrong under another (E5M2 gradient scales saturate E4M3 gradients),
 and with a long interval they would stay wrong for that many steps.
@@ -25,6 +27,7 @@ from torch import nn
 
 from fp8plug.backends.base import Engine, offers
 from fp8plug.numerics.guard import apply_moves, moves_of
+from fp8plug.numerics.watch import load_watch_state, watch_state, what_starts_afresh
 from fp8plug.recipe.scalings import DELAYED_STATE_FIELDS
 
 _HOOKED = "_fp8plug_plain_state_dict"
@@ -109,14 +112,18 @@ class FP8CheckpointState:
         moves = [dict(moves_of(model)) for model in self.models]
         if any(moves):  # the numerics guard's moves, made again on resume before the state is loaded
             state["guard"] = moves
+        numerics = [watch_state(model) for model in self.models]
+        if any(numerics):  # the watch's step count and checks, the guard's streaks
+            state["numerics"] = numerics
         if self.recipe is not None:
             state["recipe"] = recipe_record(self.engine, self.recipe)
         return state
 
-    def check(self, state: dict, where: str = "FP8 checkpoint state") -> None:
+    def check(self, state: dict, where: str = "FP8 checkpoint state", warn: bool = True) -> None:
         """Refuse (ValueError naming what differs, with both values) a saved state that this run
         cannot take: another engine, another number of models, or another recipe in a field the
-        state depends on. Changes nothing."""
+        state depends on. Changes nothing. `warn`: say what cannot be resumed exactly (a state
+        without its recipe, numerics watch state that is not there); once per load."""
         saved_backend = state.get("backend")
         if saved_backend != self.engine.name:
             raise ValueError(
@@ -129,10 +136,14 @@ class FP8CheckpointState:
                 f"{where} holds {len(saved)} converted model(s) but {len(self.models)} were "
                 "prepared here; call load_state after preparing the same models, in the same order."
             )
+        if warn:
+            self._tell_what_starts_afresh(state, where)
         saved_recipe = state.get("recipe")
         if self.recipe is None or not any(saved):
             return  # no state that could be wrong
         if saved_recipe is None:
+            if not warn:
+                return
             logger.warning(
                 "fp8plug: %s does not record its recipe (written before fp8plug recorded it); it is "
                 "loaded as it is: resume with the recipe it was trained with, or its scales are wrong.", where,
@@ -150,27 +161,41 @@ class FP8CheckpointState:
                 "FP8 scaling state afresh, as a new run's."
             )
 
-    def load_state_dict(self, state: dict) -> None:
+    def _tell_what_starts_afresh(self, state: dict, where: str) -> None:
+        """One warning where a numerics watch of this run cannot continue from `state`'s."""
+        numerics = state.get("numerics") or [{} for _ in self.models]
+        said = {what_starts_afresh(model, saved) for model, saved in zip(self.models, numerics)} - {None}
+        if said:
+            logger.warning("fp8plug: %s holds no numerics watch state to continue from (saved without the watch or "
+                           "the guard, or by an fp8plug that did not keep it): %s.", where, "; ".join(sorted(said)))
+
+    def load_state_dict(self, state: dict, warn: bool = True) -> None:
         """Check `state`, then put it into the models; if an engine refuses a model's part (another
         set of converted layers, another history length), the models already loaded get their
-        state back, so a refused load leaves every model as it was."""
-        self.check(state)
+        state back, so a refused load leaves every model as it was. The numerics watches' state
+        goes in last, once the engine took its part. `warn=False`: `check` has said it already."""
+        self.check(state, warn=warn)
         for model, moves in zip(self.models, state.get("guard", [])):
             apply_moves(model, self.engine, moves)
         before = self.snapshot()
         try:
             self._load(state["models"])
         except BaseException:
-            self._load(before)
+            self.restore(before)
             raise
+        for model, saved in zip(self.models, state.get("numerics", [])):
+            load_watch_state(model, saved)
 
-    def snapshot(self) -> List[dict]:
-        """Every model's current FP8 state (copies), for `restore`."""
-        return [self.engine.fp8_state(model) for model in self.models]
+    def snapshot(self) -> dict:
+        """Every model's current FP8 state and numerics watch state (copies), for `restore`."""
+        return {"models": [self.engine.fp8_state(model) for model in self.models],
+                "numerics": [watch_state(model) for model in self.models]}
 
-    def restore(self, snapshot: List[dict]) -> None:
+    def restore(self, snapshot: dict) -> None:
         """Put back what `snapshot` returned."""
-        self._load(snapshot)
+        self._load(snapshot["models"])
+        for model, saved in zip(self.models, snapshot["numerics"]):
+            load_watch_state(model, saved)
 
     def _load(self, states: List[dict]) -> None:
         with torch.no_grad():

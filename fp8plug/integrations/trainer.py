@@ -133,7 +133,7 @@ class FP8TrainerMixin(TrainerInternals):
                 )
         before = state.snapshot() if saved is not None else None
         if saved is not None:
-            state.load_state_dict(saved)  # the engine checks converted layers and shapes; all or nothing
+            state.load_state_dict(saved, warn=False)  # the engine checks converted layers and shapes; all or nothing
         try:
             load_rest()
         except BaseException:

@@ -13,7 +13,9 @@ One warning names the layer, the numbers and the move. Every rank takes the same
 
 The moves are kept on the model (`moves_of`): fp8plug's checkpoint state saves them and
 `apply_moves` makes them again on resume before the FP8 state is loaded; `fp8_coverage` and the
-conversion report show them.
+conversion report show them. The streaks are saved too (`NumericsGuard.state_dict`, through the
+watch's state), so a run resumed in the middle of one moves the layer at the check the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class NumericsGuard:
         self.max_saturation = max_saturation
         self.patience = patience
         self.streaks: Dict[str, List[str]] = {}  # fqn -> the reasons of its bad checks in a row
+
+    def state_dict(self) -> Dict[str, Dict[str, List[str]]]:
+        """What a checkpoint keeps of the guard: each layer's streak of bad checks (plain strings,
+        so it loads with weights_only=True). The moves are kept on the model (`moves_of`)."""
+        return {"streaks": {fqn: list(reasons) for fqn, reasons in self.streaks.items()}}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Put back what `state_dict` gave: the streaks, the saved run's exactly."""
+        self.streaks = {str(fqn): [str(r) for r in reasons] for fqn, reasons in state.get("streaks", {}).items()}
 
     def why_bad(self, stats: Dict[str, float]) -> Optional[str]:
         """What is wrong with one layer's check, or None."""

@@ -288,6 +288,29 @@ class NumericsWatch:
         out["dgrad_sqnr_db"] = emulate.sqnr_db(reference, fp8)
         return out
 
+    # checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        """What a checkpoint keeps of the watch (plain numbers and strings): the optimizer steps it
+        has counted, its checks, and the guard's streaks. With it a resumed run checks at the same
+        steps, hands trackers the same step numbers and moves layers at the same checks as one that
+        never stopped."""
+        state: Dict = {"step": self.step, "checks": self.checks}
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue from a saved `state_dict`: its step count and checks, the guard's streaks (a
+        guard with none saved starts afresh); armed for the coming step if that one is a check."""
+        self.step = int(state.get("step", 0))
+        self.checks = int(state.get("checks", 0))
+        if self.guard is not None:
+            self.guard.load_state_dict(state.get("guard", {}))
+        if self.armed:
+            self.disarm()
+        if self._due(self.step + 1):
+            self.arm()
+
     # the end of each optimizer step -------------------------------------------------------------
     def end_step(self) -> None:
         """After each optimizer step that trains the model (fp8plug.backends.steps.after_step): on
@@ -374,6 +397,34 @@ def watch_model(model: nn.Module, engine, plan, report=None) -> Optional[Numeric
 def watch_of(model: nn.Module) -> Optional[NumericsWatch]:
     """The watch attached to `model` (or to the model a torch.compile wrapper holds), if any."""
     return _WATCHES.get(getattr(model, "_orig_mod", model))
+
+
+def watch_state(model: nn.Module) -> Dict:
+    """The state of `model`'s watch for a checkpoint ({} without a watch)."""
+    watch = watch_of(model)
+    return watch.state_dict() if watch is not None else {}
+
+
+def load_watch_state(model: nn.Module, state: Dict) -> None:
+    """Put a checkpoint's `watch_state` back into `model`'s watch; nothing without a watch or a
+    saved state (then `what_starts_afresh` says what that means)."""
+    watch = watch_of(model)
+    if watch is not None and state:
+        watch.load_state_dict(state)
+
+
+def what_starts_afresh(model: nn.Module, state: Dict) -> Optional[str]:
+    """What of `model`'s watch cannot continue from the saved `state` (a checkpoint written without
+    the watch, without the guard, or before fp8plug kept their state), in words; None if all can."""
+    watch = watch_of(model)
+    if watch is None:
+        return None
+    if not state:
+        guard = " and the numerics guard's counts of bad checks start afresh" if watch.guard is not None else ""
+        return f"the numerics watch counts optimizer steps from this resume (checks every {watch.interval}){guard}"
+    if watch.guard is not None and "guard" not in state:
+        return "the numerics guard's counts of bad checks start afresh (the saved run had no guard)"
+    return None
 
 
 def numerics_stats(model: nn.Module) -> Dict[str, float]:

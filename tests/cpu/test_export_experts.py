@@ -48,7 +48,7 @@ PER_EXPERT = {
     "qwen3_moe": ("moe_intermediate_size", "model.layers.0.mlp.experts", ("gate_proj", "up_proj", "down_proj")),
 }
 ROUTER = {"mixtral": "model.layers.0.block_sparse_moe.gate.weight", "qwen3_moe": "model.layers.0.mlp.gate.weight"}
-EXPERT_FFN = 160  # two 128-row tiles per expert projection, the second partial: the block grid is checked
+EXPERT_FFN = 256  # two 128-row tiles per expert projection: the block grid is checked
 
 
 def _build(name, **overrides):
@@ -92,7 +92,7 @@ def test_every_expert_entry_is_what_vllm_and_transformers_read(tmp_path, name, l
     got = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items() if re.search(r"\.experts[.]", k)}
     assert got == want  # every key, dtype and shape; no fused gate_up_proj/down_proj left beside them
     if layout == "block":
-        assert want[f"{prefix}.0.{gate}.{scale_name}"][1] == (2, 1)  # rows 0-127 and the partial 128-159
+        assert want[f"{prefix}.0.{gate}.{scale_name}"][1] == (2, 1)  # rows 0-127 and 128-255
 
     # the same quantizer as the Linears (one rule): expert e's gate rows, up rows, down
     for e, proj, rows in ((1, gate, experts.gate_up_proj[1, :inter]), (2, up, experts.gate_up_proj[2, inter:]),
@@ -107,6 +107,20 @@ def test_every_expert_entry_is_what_vllm_and_transformers_read(tmp_path, name, l
     assert config["modules_to_not_convert"] == config["ignored_layers"] == ["lm_head"]
     assert report.experts == ["model.layers.0.mlp.experts"] and "model.layers.0.mlp.experts" not in report.kept
     assert config["weight_block_size"] == ([128, 128] if layout == "block" else None)
+
+
+def test_experts_with_partial_tiles_stay_high_precision_in_the_block_layout(tmp_path):
+    # 160 rows per expert: transformers' dequantizer would take the two tiles for 2 x 80 rows
+    model = _build("qwen3_moe", moe_intermediate_size=160)
+    report = save_fp8_checkpoint(model, tmp_path / "block")
+    why = report.kept["model.layers.0.mlp.experts"]
+    assert report.experts == [] and "=160 not a multiple of 128: transformers would read" in why
+    config = json.loads((tmp_path / "block" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.experts" in config["modules_to_not_convert"]
+    assert load_file(tmp_path / "block" / "model.safetensors")["model.layers.0.mlp.experts.0.up_proj.weight"].dtype \
+        == torch.float32
+    per_tensor = save_fp8_checkpoint(model, tmp_path / "per_tensor", layout="per_tensor")  # any width there
+    assert per_tensor.experts == ["model.layers.0.mlp.experts"]
 
 
 def test_gpt_oss_experts_stay_high_precision_with_biases_and_are_listed(tmp_path):
@@ -161,8 +175,11 @@ def test_trained_model_exported_and_reloaded_gives_its_logits(tmp_path, name, la
     plain.load_state_dict(load_fp8_checkpoint(str(tmp_path), model=plain), strict=True)
     with torch.no_grad():
         assert sqnr_db(plain.eval()(ids).logits, want) >= 25
-    key_mapping = formats.TRANSFORMERS_PER_TENSOR_KEYS if layout == "per_tensor" else None
-    served = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, key_mapping=key_mapping)
+    if layout == "per_tensor":  # vLLM's and SGLang's: its config makes transformers refuse it
+        with pytest.raises(ValueError, match="transformers reads layout='block'"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        return
+    served = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     with torch.no_grad():
         assert sqnr_db(served(ids).logits, want) >= 25
     assert torch.equal(served.model.layers[0].mlp.experts.down_proj, plain.model.layers[0].mlp.experts.down_proj)

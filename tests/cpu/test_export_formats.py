@@ -98,7 +98,10 @@ def transformers_skeleton(directory, config):
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
 
-    quant = FineGrainedFP8Config.from_dict(dict(config["quantization_config"]))
+    entry = dict(config["quantization_config"])
+    if entry.get("scale_fmt") == formats.PER_TENSOR_SCALE_FMT:  # what it would build, were it not refused
+        del entry["scale_fmt"]
+    quant = FineGrainedFP8Config.from_dict(entry)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     return replace_with_fp8_linear(model, modules_to_not_convert=quant.modules_to_not_convert,
@@ -117,7 +120,11 @@ def test_every_key_dtype_and_shape_is_what_transformers_builds(tmp_path, layout,
     assert quant["quant_method"] == "fp8" and quant["activation_scheme"] == "dynamic"
     assert quant["weight_block_size"] == ([128, 128] if layout == "block" else None)  # null: per-tensor there
     assert quant["modules_to_not_convert"] == quant["ignored_layers"] == ["lm_head"]
-    if layout == "per_tensor":  # transformers names the per-tensor scale weight_scale_inv
+    if layout == "per_tensor":  # transformers names the per-tensor scale weight_scale_inv, so it is refused
+        from transformers import FineGrainedFP8Config
+
+        with pytest.raises(ValueError, match="transformers reads layout='block'"):
+            FineGrainedFP8Config.from_dict(dict(quant))
         tensors = {re.sub(r"\.weight_scale$", ".weight_scale_inv", k): v for k, v in tensors.items()}
     skeleton = transformers_skeleton(tmp_path, config)
     expected = dict(skeleton.state_dict())
@@ -147,9 +154,12 @@ def test_transformers_from_pretrained_round_trip_on_the_cpu(tmp_path, layout, ti
     plain = llama(tied)
     save_fp8_checkpoint(plain, tmp_path, layout=layout, max_shard_size="200KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    kwargs = {} if layout == "block" else {"key_mapping": formats.TRANSFORMERS_PER_TENSOR_KEYS}
+    if layout == "per_tensor":  # vLLM's and SGLang's: its config makes transformers refuse it
+        with pytest.raises(ValueError, match="transformers reads layout='block'"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True))
+        return
     loaded = AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True), **kwargs).eval()
+        tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     ours = load_fp8_checkpoint(tmp_path)
     for name, value in loaded.state_dict().items():

@@ -21,6 +21,7 @@ peft = pytest.importorskip("peft")
 import fp8plug  # noqa: E402
 from fp8plug.backends.native import engine as native  # noqa: E402
 from fp8plug.backends.native import fp8_matmul  # noqa: E402
+from fp8plug.checkpoints import export_formats as formats  # noqa: E402
 from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint  # noqa: E402
 from fp8plug.layers.rules import ADAPTER  # noqa: E402
 from tests.support.hf import VOCAB, fresh, tiny_llama  # noqa: E402
@@ -153,7 +154,8 @@ def test_fp8_checkpoint_holds_e4m3_weights_and_reloads_within_fp8_error(tmp_path
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
                                              "weight_block_size": None, "ignored_layers": ["lm_head"],
-                                             "modules_to_not_convert": ["lm_head"]}
+                                             "modules_to_not_convert": ["lm_head"],
+                                             "scale_fmt": formats.PER_TENSOR_SCALE_FMT}
     assert report.kept == {"lm_head": "tied to model.embed_tokens.weight"} and len(report.quantized) == 14
     with safe_open(os.fspath(tmp_path / "model.safetensors"), "pt") as f:
         names = set(f.keys())
