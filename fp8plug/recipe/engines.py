@@ -63,6 +63,9 @@ class EngineRow:
     costs_also: other scalings the same constants predict (the same bytes moved per cast), so that
         the filter stays on where the automatic choice runs the engine with one of them (`measured`'s
         scaling).
+    scaling_costs: constants of scalings that run other kernels and move other bytes (the finer
+        scalings: per-row and per-tile casts, rowwise and blockwise GEMMs), by scaling, then compute
+        capability; the filter predicts a Linear under such a scaling with its own constants.
     """
 
     name: str
@@ -72,6 +75,7 @@ class EngineRow:
     costs: Mapping[Tuple[int, int], Costs] = field(default_factory=dict)
     costs_scaling: Optional[str] = None
     costs_also: Tuple[str, ...] = ()
+    scaling_costs: Mapping[str, Mapping[Tuple[int, int], Costs]] = field(default_factory=dict)
 
 
 # where the Speed figures come from, for `fp8plug env` and the selection's explanation; "compiled"

@@ -31,13 +31,17 @@ BF16_COSTS: Dict[Tuple[int, int], Costs] = {
 
 def _calibrated(capability: Tuple[int, int]) -> Dict[str, Costs]:
     """bf16's and every engine's costs on `capability`, each engine under its name and under
-    "name:scaling" for the scaling they were measured with (its default) and those they also predict."""
+    "name:scaling" for the scaling they were measured with (its default), those they also predict,
+    and the scalings measured with constants of their own (`scaling_costs`)."""
     table = {BF16_KEY: BF16_COSTS[capability]}
     for row in ENGINES.values():
         if capability in row.costs:
             table[row.name] = row.costs[capability]
             for scaling in (row.costs_scaling, *row.costs_also):
                 table[f"{row.name}:{scaling}"] = row.costs[capability]
+        for scaling, by_capability in row.scaling_costs.items():
+            if capability in by_capability:
+                table[f"{row.name}:{scaling}"] = by_capability[capability]
     return table
 
 
