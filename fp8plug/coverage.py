@@ -2,10 +2,11 @@
 
 Why: an FP8 run can silently be a high-precision run (a layer an engine leaves alone, a region
 that turns FP8 off, an input the GEMM cannot take): nothing fails, the loss looks fine, and the
-speed-up is gone. So conversion logs one line saying how many Linear layers run in FP8 and why
-the others do not (`log_conversion`), and `fp8_coverage(model)` reads back the per-layer counts
-of FP8 and high-precision calls, which fp8plug.layers.gemm_counts keeps (how they are counted, and why
-that stays cheap under torch.compile, is written there).
+speed-up is gone. So conversion logs why its engine was chosen (`log_selection`) and one line
+saying how many Linear layers run in FP8 and why the others do not (`log_conversion`), and
+`fp8_coverage(model)` reads back the per-layer counts of FP8 and high-precision calls, which
+fp8plug.layers.gemm_counts keeps (how they are counted, and why that stays cheap under
+torch.compile, is written there).
 """
 
 from __future__ import annotations
@@ -36,6 +37,23 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+_NOTED = set()  # the selection notes already logged, once per process each
+
+
+def log_selection(selection) -> None:
+    """Say why the engine was chosen, on the main process, the same way for every way in: where
+    the automatic choice ranked engines by measured speed, one INFO line with the figure
+    (Selection.summary); where the engine Accelerate's call names was passed over, why, as a
+    WARNING once per process and reason (fp8plug.backends.select_for)."""
+    if not is_main_process():
+        return
+    if selection.mode:
+        logger.info("fp8plug: FP8 engine %s", selection.summary())
+    if selection.passed_over and selection.passed_over not in _NOTED:
+        _NOTED.add(selection.passed_over)
+        logger.warning(selection.passed_over)
+
+
 def describe_engine(engine, plan=None) -> str:
     """'ao (torchao float8 0.18.0, tensorwise scaling)': the engine, its version and the scaling
     of its plan (fp8plug.recipe.plans.Plan), where given."""
@@ -63,4 +81,4 @@ def log_conversion(report, engine_text: str, subject: str = "model") -> Optional
     return line
 
 
-__all__ = ["COUNTS", "describe_engine", "fp8_coverage", "is_main_process", "log_conversion"]
+__all__ = ["COUNTS", "describe_engine", "fp8_coverage", "is_main_process", "log_conversion", "log_selection"]

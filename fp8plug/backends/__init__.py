@@ -86,6 +86,8 @@ class Selection:
     # "compiled" or "eager" when the automatic choice ranked by measured speed in a known mode;
     # "any" when ranked for a model that may run either way (see select_backend)
     mode: Optional[str] = None
+    # why the engine Accelerate's call names was passed over (select_for), for the log; "" if it was not
+    passed_over: str = ""
 
     @property
     def name(self) -> Optional[str]:
@@ -171,11 +173,26 @@ class Selection:
 def judge(name: str, device: DeviceInfo, scaling=None) -> Verdict:
     """Probe one engine (by canonical name) and check it against the device and, where given,
     the scaling the recipe asks for (an engine without it is passed over unprobed)."""
+    return _lacking(scaling, (name,)).get(name) or _probe(name, device)
+
+
+def _lacking(scaling, names=BACKENDS) -> Dict[str, Verdict]:
+    """The verdicts of the engines among `names` that have no `scaling` (FP8RecipeKwargs.scaling;
+    None: every engine has its default): passed over unprobed, so never imported for nothing."""
+    lacking = {}
+    for name in names if scaling is not None else ():
+        engine = _engine(name)
+        if not engine.offers_scaling(scaling):
+            lacking[name] = Verdict(
+                name, engine.title, Probe(False, reason="not checked"), False,
+                f"has no {scaling!r} scaling (FP8RecipeKwargs.scaling; its own: {', '.join(engine.scalings)})",
+                checked=False)
+    return lacking
+
+
+def _probe(name: str, device: DeviceInfo) -> Verdict:
+    """Probe one engine (by canonical name) and check it against the device."""
     engine = _engine(name)
-    if scaling is not None and not engine.offers_scaling(scaling):
-        return Verdict(name, engine.title, Probe(False, reason="not checked"), False,
-                       f"has no {scaling!r} scaling (FP8RecipeKwargs.scaling; its own: {', '.join(engine.scalings)})",
-                       checked=False)
     probe = engine.probe()
     if device.type == "cpu":  # an engine that cannot run on the CPU: installing would not help
         ok, why = engine.supports(device)
@@ -222,15 +239,51 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     _ranked_choice), so engines that cannot be chosen are not imported. `scaling` (the recipe's
     FP8RecipeKwargs.scaling): the automatic choice passes over the engines that do not offer it.
     """
-    info = device if isinstance(device, DeviceInfo) else device_info(device)
     requested = normalize_backend(requested)  # the one place a requested name is normalised
+    info = device if isinstance(device, DeviceInfo) else device_info(device)
+    return _select(requested, info, compiled, {} if requested else _lacking(scaling))
+
+
+def select_for(recipe, device=None, compiled: Optional[bool] = None, accelerate_call: bool = False,
+               backend: Optional[str] = None) -> Selection:
+    """The engine for `recipe` (an FP8RecipeKwargs): the one rule fp8plug.convert_model and
+    fp8plug.Accelerator share. The engine `backend` names (any spelling; "auto": the automatic
+    choice), else the one `recipe.backend` names, else the automatic choice (select_backend, for
+    the model's mode `compiled`, passing over engines without `recipe.scaling`), on `device` (None:
+    the current one). `accelerate_call`: convert_model called as Accelerate's API (no recipe,
+    backend nor compiled), which converts to TransformerEngine where TE runs, as Accelerate's
+    convert_model documents ("converts ... to their transformers_engine counterpart"); where TE
+    cannot run, the automatic choice, with why TE was passed over (`Selection.passed_over`, logged
+    once per process: fp8plug.coverage.log_selection)."""
+    requested = recipe.backend if backend is None else normalize_backend(backend)
+    info = device if isinstance(device, DeviceInfo) else device_info(device)
+    lacking = {} if requested else _lacking(recipe.scaling)
+    if not accelerate_call or requested is not None:
+        return _select(requested, info, compiled, lacking)
+    te = lacking.get("te") or _probe("te", info)
+    if te.usable:
+        return _select("te", info, None, {})
+    selection = _select(None, info, None, lacking)
+    selection.passed_over = (
+        "fp8plug: convert_model(model) converts to TransformerEngine where it runs, as Accelerate's does; "
+        f"TransformerEngine cannot run here ({te.reason}), so it converts with {selection.name}, the "
+        "automatic choice (has_transformer_engine_layers(model) stays False). Pass backend='auto' for the "
+        "automatic choice without this note, or name an engine (`fp8plug env` lists what runs here).")
+    return selection
+
+
+def _select(requested: Optional[str], info: DeviceInfo, compiled: Optional[bool],
+            lacking: Dict[str, Verdict]) -> Selection:
+    """The choice select_backend describes, for a canonical name (or None), where `lacking` holds
+    the verdicts of the engines without the recipe's scaling (_lacking)."""
     selection = Selection(None, info, requested)
     if requested is None and info.type == "cuda" and info.fp8_gemm:
-        return _ranked_choice(selection, "any" if compiled is None else "compiled" if compiled else "eager", scaling)
+        return _ranked_choice(selection, "any" if compiled is None else "compiled" if compiled else "eager", lacking)
     for name in BACKENDS:
-        checked = requested is None or name == requested
-        selection.verdicts[name] = judge(name, info, None if requested else scaling) if checked else not_checked(
-            name, f"backend {requested!r} was requested")
+        if requested is not None and name != requested:
+            selection.verdicts[name] = not_checked(name, f"backend {requested!r} was requested")
+        else:
+            selection.verdicts[name] = lacking.get(name) or _probe(name, info)
     if requested is not None:
         verdict = selection.verdicts[requested]
         if not verdict.usable:  # one line: the other engines were not judged, so not listed
@@ -246,7 +299,7 @@ def select_backend(requested: Optional[str] = None, device=None, compiled: Optio
     raise _none_usable(selection)
 
 
-def _ranked_choice(selection: Selection, mode: str, scaling=None) -> Selection:
+def _ranked_choice(selection: Selection, mode: str, lacking: Optional[Dict[str, Verdict]] = None) -> Selection:
     """The automatic choice by measured speed in `mode`: engines are probed fastest first and the
     first usable one wins; slower ones are not imported. That matters: importing TransformerEngine
     loads its cuDNN, after which torch ran a Llama's attention with its memory-efficient kernel
@@ -254,7 +307,7 @@ def _ranked_choice(selection: Selection, mode: str, scaling=None) -> Selection:
     selection.mode = mode
     for name in _fastest_first(list(BACKENDS), mode):
         if selection.backend is None:
-            selection.verdicts[name] = verdict = judge(name, selection.device, scaling)
+            selection.verdicts[name] = verdict = (lacking or {}).get(name) or _probe(name, selection.device)
             if verdict.usable:
                 selection.backend = _engine(name)
         else:
@@ -304,4 +357,5 @@ def _fastest_first(names, mode: str):
     return sorted(names, key=rank)
 
 
-__all__ = ["Engine", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend"]
+__all__ = ["Engine", "BackendUnavailableError", "Probe", "Selection", "Verdict", "get_backend", "select_backend",
+           "select_for"]

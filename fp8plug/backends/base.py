@@ -3,7 +3,9 @@
 An engine is one Engine subclass (fp8plug/backends/<name>/engine.py, or one file) plus its row in
 fp8plug.recipe.engines. Its core, which every engine answers: whether it can run (`probe`), its
 frozen plan made once from the recipe fields it honours (`make_plan`, through
-fp8plug.recipe.plans), converting a model's modules to its own and back, the context a forward
+fp8plug.recipe.plans), what it converts in a model (`eligible`, asked while a conversion is
+planned), converting exactly the modules a plan lists to its own (`convert_listed`) and back,
+its grouped GEMM for MoE experts or why it has none (`grouped_gemm`), the context a forward
 runs in (`autocast`), the work due once per optimizer step (`end_step`), and its FP8 scaling state
 for checkpoints. Anything more is an optional capability (OPTIONAL): a method Engine does not
 define, which an engine has exactly when it defines it, and which callers ask about with
@@ -25,7 +27,7 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, 
 import torch
 from torch import nn
 
-from fp8plug.layers.rules import ConversionReport
+from fp8plug.layers.rules import ConversionReport, Eligibility, ModulePlan, decide_modules, linear_alignment_problem
 from fp8plug.recipe.kwargs import FP8RecipeKwargs
 from fp8plug.recipe.plans import Plan, Settings, default_acts_as, default_why, make_plan
 from fp8plug.tuning.hardware import DeviceInfo
@@ -122,11 +124,6 @@ OPTIONAL = {
     "has_storageless_weights": "has_storageless_weights() -> bool: whether converted models may now hold weights "
                                "without storage of their own, which accelerate's FSDP2 preparation must look "
                                "through (fp8plug.Accelerator)",
-    "grouped_gemm": "grouped_gemm(plan, device) -> callable or str: the engine's grouped FP8 GEMM for a "
-                    "mixture-of-experts projection, fn(x [S, K], weight [E, N, K], offs [E] int32, transposed) -> "
-                    "[S, N], or why it has none here; a model's experts run in FP8 through it (fp8plug.hf.experts); "
-                    "its `scaling` attribute, where it has one, names the scaling it applies whatever the "
-                    "recipe's (the conversion report says it)",
     "deepspeed_problem": "deepspeed_problem(stage, partitioned) -> str or None: why the engine cannot train under "
                          "DeepSpeed ZeRO `stage` (fp8plug.integrations.deepspeed_zero)",
     "operand_scales": "operand_scales(module) -> {'input'|'weight'|'grad_output': scale}: how a converted Linear "
@@ -266,8 +263,36 @@ class Engine:
         """Swap the eligible modules of `model` (in place) for this engine's FP8 modules, as `plan`
         says (its plan; a recipe is made into one, `plan_of`): its Linear layers where `linear`,
         and the norms it converts, if any, where `norm` (Accelerate's convert_model(_convert_linear,
-        _convert_ln))."""
+        _convert_ln)). The decisions first, as data (fp8plug.layers.rules.decide_modules, asking
+        `eligible`), then `convert_listed` carries them out; engines do not override this."""
+        plan = self.plan_of(plan)
+        modules = decide_modules(model, self, plan, linear, norm)
+        report = modules.report()
+        self.convert_listed(model, plan, modules, report)
+        return report
+
+    def eligible(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> Eligibility:
+        """What this engine converts in `model` under `plan` (fp8plug.layers.rules.Eligibility): the
+        module types, each with why one cannot convert; asked once per conversion, before anything
+        changes. Default: exact nn.Linear layers with aligned features, where `linear`, under the
+        plan's filter."""
+        checks = {nn.Linear: linear_alignment_problem} if linear else {}
+        return Eligibility(checks, module_filter_fn=plan.module_filter_fn)
+
+    def convert_listed(self, model: nn.Module, plan, modules: "ModulePlan", report: "ConversionReport") -> None:
+        """Swap exactly the modules `modules` lists as converting (fp8plug.layers.report.ModulePlan,
+        made by `decide_modules` for this engine and `plan`) for this engine's FP8 modules, in place,
+        recording each in `report` (fp8plug.layers.rules.swap_modules, record_converted). It
+        decides nothing: what it cannot do here it refuses before touching the model."""
         raise NotImplementedError
+
+    def grouped_gemm(self, plan=None, device=None):
+        """The engine's grouped FP8 GEMM for a mixture-of-experts projection under `plan` on
+        `device` (None: not a CUDA device), fn(x [S, K], weight [E, N, K], offs [E] int32,
+        transposed) -> [S, N], or why it has none (a str); a model's experts run in FP8 through it
+        (fp8plug.hf.experts). Its `scaling` attribute, where it has one, names the scaling it
+        applies whatever the recipe's (the conversion report says it). Default: none."""
+        return f"the {self.name} engine has no grouped FP8 GEMM"
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap this engine's modules back for plain torch modules with the same weights."""

@@ -26,7 +26,7 @@ What: two pieces, both only for models fp8plug converted.
 The attention computed is the same; only the kernel differs. A padding mask (even all ones) or
 position ids passed by the caller still build the mask under torch.compile, as in transformers.
 
-Conversion (fp8plug.api.convert_with_plan) switches a transformers model whose attention is
+Conversion (fp8plug.conversion.apply) switches a transformers model whose attention is
 "sdpa" to FP8PLUG_SDPA where the recipe's `skip_causal_mask` is on (the default), and says so
 once in the `fp8plug` log; `unconvert_model` and `export_model` switch it back, so a shipped model
 names "sdpa". Caveat: `torch.export` of a model still on FP8PLUG_SDPA hard-codes is_causal for

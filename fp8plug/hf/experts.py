@@ -6,9 +6,10 @@ Why: in transformers 5 an MoE block's experts are one module of 3-D parameters (
 (`@use_experts_implementation`: "eager", "batched_mm", "grouped_mm", ...). None of it is an
 nn.Linear, so Linear conversion leaves most of an MoE model's FLOPs in bf16.
 
-What: conversion (fp8plug.api.convert_with_plan) registers FP8PLUG_EXPERTS with that registry and
-switches each transformers model holding such experts to it, where the engine offers a grouped
-FP8 GEMM (its optional `grouped_gemm`: native's is backends/native/grouped.py). Each experts
+What: planning a conversion decides each experts module (`decide_experts`: the shapes, the speed
+filter, and whether the engine has a grouped FP8 GEMM here, its `grouped_gemm`: native's is
+backends/native/grouped.py); applying it (`convert_experts`) registers FP8PLUG_EXPERTS with that
+registry and switches each transformers model holding converted experts to it. Each experts
 module that converts gets that GEMM as an attribute (nothing in its state dict changes); its
 forward is the grouped forward transformers runs for "grouped_mm" (tokens sorted by expert, one
 grouped GEMM per projection), with the projections in FP8 and everything else as the model's
@@ -36,11 +37,18 @@ from fp8plug._upstream import (
     register_experts_function,
     set_experts_implementation,
 )
-from fp8plug.backends.base import offers
 from fp8plug.backends.region import fp8_now
 from fp8plug.hf.attention import transformers_models
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, FP8, HIGH_PRECISION
-from fp8plug.layers.rules import ALIGNMENT, IGNORED, NOT_ELIGIBLE, ConversionReport, ignore_in_ddp, module_paths
+from fp8plug.layers.rules import (
+    ALIGNMENT,
+    IGNORED,
+    NOT_ELIGIBLE,
+    ConversionReport,
+    ModuleDecision,
+    ignore_in_ddp,
+    module_paths,
+)
 from fp8plug.tuning.roofline import SpeedFilter, predict_ms
 
 FP8PLUG_EXPERTS = "fp8plug_fp8_experts"
@@ -198,41 +206,57 @@ def _fallback(module: nn.Module):
 # --- conversion and back -----------------------------------------------------------------------------
 
 
-def convert_experts(model: nn.Module, engine, plan, report: ConversionReport) -> List[str]:
-    """Give every eligible experts module of `model` the engine's grouped FP8 GEMM, switch the
-    transformers models holding them to FP8PLUG_EXPERTS, and record each experts module in
-    `report` (`experts`: converted, or skipped with the reason). Returns the converted fqns."""
+def decide_experts(model: nn.Module, engine, plan) -> Tuple[ModuleDecision, ...]:
+    """Every experts module of `model`, decided for `engine` under its `plan`, changing nothing:
+    it runs its grouped GEMMs in FP8 (its note naming the scaling the engine's grouped GEMM
+    applies), or it stays with the implementation it has, and why (modules_to_ignore, shapes, the
+    speed filter, an engine or device without a grouped FP8 GEMM)."""
     found = list(experts_modules(model))
     if not found:
-        return []
+        return ()
     ignore = set(plan.modules_to_ignore or ())
     paths = module_paths(model)
-    converted = []
+    decisions = []
     for fqn, module in found:
-        report.experts.append(fqn)
-        problem = None if offers(engine, "grouped_gemm") else f"the {engine.name} engine has no grouped FP8 GEMM"
-        gemm = None
         if ignore.intersection(paths.get(fqn, ())):
-            report.skip(fqn, "listed in modules_to_ignore", IGNORED)
+            decisions.append(ModuleDecision(fqn, reason="listed in modules_to_ignore", kind=IGNORED))
             continue
-        problem = problem or shape_problem(module) or speed_problem(module, plan.module_filter_fn)
-        if problem is None:
-            device = module.down_proj.device
-            gemm = engine.grouped_gemm(plan, device if device.type == "cuda" else None)
-            problem = gemm if isinstance(gemm, str) else None
+        problem = shape_problem(module) or speed_problem(module, plan.module_filter_fn)
+        gemm = None if problem else engine.grouped_gemm(plan, _gemm_device(module))
+        problem = problem or (gemm if isinstance(gemm, str) else None)
         if problem:
             kind = SPEED if "predicted" in problem else NOT_ELIGIBLE
-            report.skip(fqn, problem, NO_GEMM if "engine" in problem or "sm_" in problem else kind)
+            decisions.append(ModuleDecision(fqn, reason=problem,
+                                            kind=NO_GEMM if "engine" in problem or "sm_" in problem else kind))
             continue
-        setattr(module, GEMM, gemm)
-        if getattr(gemm, "scaling", None):
-            report.notes[fqn] = f"{gemm.scaling} scaling"
+        scaling = getattr(gemm, "scaling", None)
+        decisions.append(ModuleDecision(fqn, converts=True, note=f"{scaling} scaling" if scaling else ""))
+    return tuple(decisions)
+
+
+def _gemm_device(module: nn.Module):
+    """The CUDA device a grouped GEMM for `module` runs on (None: not on CUDA)."""
+    device = module.down_proj.device
+    return device if device.type == "cuda" else None
+
+
+def convert_experts(model: nn.Module, engine, plan, decisions: Tuple[ModuleDecision, ...],
+                    report: ConversionReport) -> List[str]:
+    """Carry out `decisions` (decide_experts', in `report` already): give each experts module that
+    converts the engine's grouped FP8 GEMM, record it in `report` as converted, and switch the
+    transformers models holding them to FP8PLUG_EXPERTS. Returns the converted fqns."""
+    converted = []
+    for decision in decisions:
+        if not decision.converts:
+            continue
+        module = model.get_submodule(decision.fqn)
+        setattr(module, GEMM, engine.grouped_gemm(plan, _gemm_device(module)))
         if EXPERT_COUNTS not in module._buffers:
             module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=module.down_proj.device),
                                    persistent=False)
-            ignore_in_ddp(model, [f"{fqn}.{EXPERT_COUNTS}"])
-        report.converted.append(fqn)
-        converted.append(fqn)
+            ignore_in_ddp(model, [f"{decision.fqn}.{EXPERT_COUNTS}"])
+        report.converted.append(decision.fqn)
+        converted.append(decision.fqn)
     if converted:
         _switch(model)
     return converted
@@ -267,4 +291,5 @@ def restore_experts(model: nn.Module) -> None:
         module._buffers.pop(EXPERT_COUNTS, None)
 
 
-__all__ = ["FP8PLUG_EXPERTS", "convert_experts", "experts_modules", "fp8_experts_forward", "restore_experts"]
+__all__ = ["FP8PLUG_EXPERTS", "convert_experts", "decide_experts", "experts_modules", "fp8_experts_forward",
+           "restore_experts"]

@@ -40,13 +40,15 @@ from fp8plug._upstream import (  # noqa: F401  (storage_view: public here)
     shared_precision,
     storage_view,
 )
-from fp8plug.api import check_converted_like, convert_with_plan, loaded_engines
+from fp8plug.api import loaded_engines
 from fp8plug.autocast import apply_fp8_autowrap
-from fp8plug.backends import select_backend
+from fp8plug.backends import select_for
 from fp8plug.backends.base import Engine, offers
 from fp8plug.checkpoints import resume
 from fp8plug.checkpoints.state import FP8CheckpointState, install_plain_state_dict
-from fp8plug.coverage import fp8_coverage, is_main_process, logger
+from fp8plug.conversion.apply import apply_plan
+from fp8plug.conversion.plan import check_converted_like, plan_model
+from fp8plug.coverage import fp8_coverage, log_selection
 from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
@@ -137,13 +139,10 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         if fp8_on:
             # compiled: known only with a dynamo backend; otherwise the user may still compile the
             # model themselves, before or after prepare, so the choice is for either (None)
-            self.fp8_selection = select_backend(recipe.backend, device=self.device,
-                                                compiled=True if self._compiles_model() else None,
-                                                scaling=recipe.scaling)
+            self.fp8_selection = select_for(recipe, self.device, compiled=True if self._compiles_model() else None)
             self.fp8_engine = self.fp8_selection.backend
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
-            if self.fp8_selection.mode and is_main_process():
-                logger.info("fp8plug: FP8 engine %s", self.fp8_selection.summary())
+            log_selection(self.fp8_selection)
             # the plan, once: a recipe the engine refuses fails here, not mid-prepare; the speed
             # filter on, and the output head in high precision unless fp8_output_head=True (docs/recipe.md)
             self.fp8_plan = make_plan(self.fp8_engine, self._recipe_for_run(recipe), self.fp8_selection.device,
@@ -252,7 +251,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             model.to(self.device)  # engines build their modules where the weights already are
         before = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            report = convert_with_plan(model, self.fp8_engine, self.fp8_plan)
+            report = apply_plan(model, plan_model(model, self.fp8_engine, self.fp8_plan))
         after = dict(model.named_parameters(remove_duplicate=False))
         _rebind_optimizers(optimizers, before, after, type(model).__name__)
         install_plain_state_dict(model, self.fp8_engine)

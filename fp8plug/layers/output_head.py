@@ -7,7 +7,7 @@ output dimensions (hidden size x vocabulary) make it the one Linear that measure
 and within bf16's own run-to-run spread with only the head left in bf16 (docs/numerics.md). So the
 Accelerator keeps the head in high precision by default (FP8RecipeKwargs.fp8_output_head), as
 torchtitan, Megatron-LM and Accelerate's torchao path do; the conversion rules
-(fp8plug.layers.rules.plan_conversion) ask this module which module that is.
+(fp8plug.layers.rules.decide_modules) ask this module which module that is.
 
 How it is found: a transformers model says which module its head is (`get_output_embeddings()`).
 The model and every submodule with that method are asked, so a PEFT wrapper or a transformers

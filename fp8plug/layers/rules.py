@@ -6,146 +6,48 @@ norms), an nn.Linear has in and out features divisible by 16, `modules_to_ignore
 plan keeps that in high precision (layers.output_head) and `module_filter_fn` does not veto it;
 one skipped module never stops its siblings. Reported, never converted, since their forward
 never runs: nn.MultiheadAttention's projections and a head a fused loss reads (layers.fused_heads).
-Each converted Linear gets a GEMM counter (layers.gemm_counts). User reference: docs/recipe.md.
+The decisions are made before anything changes, as data (`decide_modules` -> ModulePlan: every
+candidate module, converting or staying and why), so that one plan says what a conversion will
+do; an engine's `convert_listed` then swaps exactly the modules listed (`swap_modules`,
+`record_converted`), and each converted Linear gets a GEMM counter (layers.gemm_counts). User
+reference: docs/recipe.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torch import nn
 
 from fp8plug.layers.ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
-from fp8plug.layers.fused_heads import LIGER_KIND, TRL_KIND, fused_heads
+from fp8plug.layers.fused_heads import fused_heads
 from fp8plug.layers.gemm_counts import count_gemms, has_gemm_counter
 from fp8plug.layers.output_head import output_head_fqns
+from fp8plug.layers.report import (  # noqa: F401  (the records, importable from here too)
+    ADAPTER,
+    ADAPTER_NOTE,
+    ALREADY,
+    IGNORED,
+    LIGER,
+    MHA_ADVICE,
+    MHA_NOTE,
+    MHA_OUT,
+    MHA_QKV,
+    NOT_ELIGIBLE,
+    OUTPUT_HEAD,
+    OUTPUT_HEAD_NOTE,
+    OUTPUT_HEAD_REASON,
+    REFUSED,
+    SUBCLASS,
+    TRL_FUSED,
+    ConversionReport,
+    ModuleDecision,
+    ModulePlan,
+)
+from fp8plug.recipe.layer_scaling import layer_note
 
 ALIGNMENT = 16
-
-# Kinds of skip, for the one-line summary (ConversionReport.summary), which groups by kind.
-ALREADY = "already converted"
-IGNORED = "listed in modules_to_ignore"
-OUTPUT_HEAD = "output head"
-OUTPUT_HEAD_NOTE = "fp8_output_head=True runs it in FP8"
-OUTPUT_HEAD_REASON = (
-    "the output head stays in high precision (FP8RecipeKwargs.fp8_output_head): on real text an FP8 head "
-    f"cost 1.4% final loss where every other Linear in FP8 cost none (docs/numerics.md); {OUTPUT_HEAD_NOTE}")
-REFUSED = "refused by module_filter_fn"
-NOT_ELIGIBLE = "not eligible"
-SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
-ADAPTER = "LoRA adapters (PEFT lora_A / lora_B)"
-ADAPTER_NOTE = ("LoRA adapter: trains in high precision (one rank wide, too small to gain from FP8); "
-                "its frozen base_layer runs in FP8")
-LIGER = LIGER_KIND
-TRL_FUSED = TRL_KIND
-MHA_OUT = "output projections of nn.MultiheadAttention"
-MHA_QKV = "Q/K/V projections of nn.MultiheadAttention"
-MHA_NOTE = (
-    "F.multi_head_attention_forward computes nn.MultiheadAttention's Q/K/V projection from "
-    "in_proj_weight (or q/k/v_proj_weight) and its output projection from out_proj.weight directly, "
-    "never calling a Linear module, so no engine can run them in FP8"
-)
-MHA_ADVICE = ("they stay in high precision. To train attention projections in FP8, build attention "
-              "from nn.Linear layers (as Hugging Face models do).")
-
-
-@dataclass
-class ConversionReport:
-    """What a conversion did: the modules converted and, for each one left alone, why.
-
-    `kinds` groups the skipped modules (fqn -> kind, e.g. "listed in modules_to_ignore"), `notes`
-    holds a short per-module detail (e.g. the auto filter's predicted speed-up), `linears` names
-    the candidates that were nn.Linear layers (GEMMs), converted or not; `summary()` says it all
-    in one line.
-    """
-
-    backend: str
-    converted: List[str] = field(default_factory=list)
-    skipped: Dict[str, str] = field(default_factory=dict)
-    kinds: Dict[str, str] = field(default_factory=dict)
-    notes: Dict[str, str] = field(default_factory=dict)
-    linears: List[str] = field(default_factory=list)
-    experts: List[str] = field(default_factory=list)  # mixture-of-experts experts modules (fp8plug.hf.experts)
-
-    def __str__(self) -> str:
-        lines = [f"{self.backend}: converted {len(self.converted)} module(s), skipped {len(self.skipped)}"]
-        lines += [f"  converted {name}" + (f": {self.notes[name]}" if self.notes.get(name) else "")
-                  for name in self.converted]
-        lines += [f"  skipped   {name}: {why}" for name, why in self.skipped.items()]
-        return "\n".join(lines)
-
-    def skip(self, fqn: str, reason: str, kind: str, note: str = "") -> None:
-        """Record `fqn` as left alone, with its reason, the kind it is grouped under, and a note."""
-        self.skipped[fqn] = reason
-        self.kinds[fqn] = kind
-        if note:
-            self.notes[fqn] = note
-
-    @property
-    def fp8_linears(self) -> List[str]:
-        """The Linear layers that run in FP8: converted now or already before."""
-        linears = set(self.linears)
-        return [f for f in self.converted if f in linears] + [
-            f for f in self.skipped if f in linears and self.kinds.get(f) == ALREADY
-        ]
-
-    @property
-    def high_precision_linears(self) -> Dict[str, str]:
-        """The Linear layers left in high precision: fqn -> why."""
-        linears = set(self.linears)
-        return {f: why for f, why in self.skipped.items() if f in linears and self.kinds.get(f) != ALREADY}
-
-    def summary(self, subject: str = "model", max_names: int = 3) -> str:
-        """One line: how many Linear layers run in FP8 and why the rest do not, grouped by kind
-        (at most `max_names` names per group), plus other converted modules (norms)."""
-        fp8 = self.fp8_linears
-        rest = self.high_precision_linears
-        total = len(fp8) + len(rest)
-        if total == 0:
-            line = f"{subject}: no nn.Linear layer to convert, so nothing runs in FP8"
-        elif not fp8:
-            line = f"{subject}: none of its {total} Linear layers runs in FP8"
-        else:
-            line = f"{subject}: {len(fp8)} of {total} Linear layers run in FP8"
-        groups: Dict[str, List[str]] = {}
-        for fqn in rest:
-            groups.setdefault(self.kinds.get(fqn, NOT_ELIGIBLE), []).append(fqn)
-        for fqn, kind in self.kinds.items():
-            if kind == MHA_QKV:
-                groups.setdefault(kind, []).append(fqn)
-        parts = [f"{len(names)} {kind} ({self._names(names, max_names)})" for kind, names in groups.items()]
-        if MHA_QKV in groups or MHA_OUT in groups:
-            parts.append(f"({MHA_NOTE})")
-        if parts:
-            line += "; in high precision: " + "; ".join(parts)
-        if self.experts:
-            line += "; " + self._experts_summary(max_names)
-        others = [f for f in self.converted if f not in set(self.linears) and f not in set(self.experts)]
-        if others:
-            line += f"; also converted {len(others)} other module(s) ({self._names(others, max_names)})"
-        return line
-
-    def _experts_summary(self, limit: int) -> str:
-        """How many MoE experts modules run their grouped GEMMs in FP8, and why the others do not."""
-        converted = [f for f in self.experts if f in set(self.converted)]
-        scalings = sorted({self.notes[f] for f in converted if self.notes.get(f)})
-        kept = "; ".join([*scalings, "router and routing weights in high precision"])
-        line = f"{len(converted)} of {len(self.experts)} MoE experts modules run their grouped GEMMs in FP8 ({kept})"
-        reasons: Dict[str, List[str]] = {}
-        for fqn in self.experts:
-            if fqn in self.skipped:
-                reasons.setdefault(self.skipped[fqn], []).append(fqn)
-        for reason, names in reasons.items():
-            line += f"; experts in high precision: {len(names)} ({self._names(names, limit)}): {reason}"
-        return line
-
-    def _names(self, names: List[str], limit: int) -> str:
-        shown = [f"{n}: {self.notes[n]}" if self.notes.get(n) else n for n in names[:limit]]
-        if len(names) > limit:
-            shown.append(f"+{len(names) - limit} more")
-        return ", ".join(shown)
-
 
 class ConversionError(ValueError):
     """A model that cannot be converted as asked (wrapped already, or a bad module name)."""
@@ -219,89 +121,102 @@ def wrapped_kind(model: nn.Module) -> Optional[str]:
     return None
 
 
-def plan_conversion(
-    model: nn.Module,
-    backend: str,
-    eligible: Dict[type, Callable[[nn.Module], Optional[str]]],
-    is_converted: Callable[[nn.Module], bool],
-    modules_to_ignore: Optional[Sequence[str]] = None,
-    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
-    unfiltered: Tuple[type, ...] = (),
-    keep_output_head: bool = False,
-) -> Tuple[List[Tuple[str, nn.Module]], ConversionReport]:
-    """Decide, module by module, what to convert.
+@dataclass(frozen=True)
+class Eligibility:
+    """What an engine converts in one model under its plan (Engine.eligible): the exact module
+    types it converts, each with a check saying why a module of that type cannot be converted
+    (None: it can); `unfiltered`, the types module_filter_fn is not asked about, since converting
+    them decides no precision (the native engine's fused norms; they still honour
+    modules_to_ignore); the filter to ask (the plan's, with whatever the engine adds, e.g.
+    layer_scaling's bf16 layers); and, where the engine runs one layer with a scaling of its own,
+    that layer's scaling word (`scaling_of(fqn)`, None for the plan's)."""
 
-    `eligible` maps an exact module type to a check that returns why a module of that type cannot
-    be converted (None if it can). `unfiltered`: eligible types module_filter_fn is not asked
-    about, since converting them decides no precision (the native engine's fused norms); they
-    still honour modules_to_ignore. `keep_output_head`: leave the model's output head
-    (fp8plug.layers.output_head; Plan.keep_output_head) in high precision; modules_to_ignore naming
-    it too is no error. Returns the (fqn, module) pairs to convert and a report
-    holding them and every skipped candidate with its reason.
-    """
+    checks: Mapping[type, Callable[[nn.Module], Optional[str]]] = field(default_factory=dict)
+    unfiltered: Tuple[type, ...] = ()
+    module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None
+    scaling_of: Optional[Callable[[str], Optional[str]]] = None
+
+
+def decide_modules(model: nn.Module, engine, plan, linear: bool = True, norm: bool = True) -> ModulePlan:
+    """Decide, module by module, what `engine` (an fp8plug.backends.base.Engine) converts in
+    `model` under its `plan`: the modules of the types it converts (`engine.eligible`) that pass
+    its checks, are not listed in `modules_to_ignore`, are not the output head where the plan keeps
+    that in high precision (fp8plug.layers.output_head; modules_to_ignore naming it too is no
+    error) and that the filter does not veto. Nothing is changed: the plan is data, which the
+    engine's `convert_listed` carries out. An engine that converts nothing here (`linear` and
+    `norm` both off for its kinds) gets an empty plan."""
+    eligibility = engine.eligible(model, plan, linear, norm)
+    eligible = eligibility.checks
+    if not eligible:
+        return ModulePlan(engine.name)
     check_convertible(model)
-    ignore = set(modules_to_ignore or ())
+    ignore = set(plan.modules_to_ignore or ())
     paths = module_paths(model)
     check_module_names(model, ignore, paths)
-    report = ConversionReport(backend)
-    targets: List[Tuple[str, nn.Module]] = []
+    module_filter_fn = eligibility.module_filter_fn
+    scaling_of = eligibility.scaling_of or (lambda fqn: None)
     attention = _attention_modules(model) if nn.Linear in eligible else {}
     adapters = _adapter_modules(model)
     fused = fused_heads(model) if nn.Linear in eligible else {}
-    heads = output_head_fqns(model) if keep_output_head and nn.Linear in eligible else frozenset()
+    heads = output_head_fqns(model) if plan.keep_output_head and nn.Linear in eligible else frozenset()
+    decisions: List[ModuleDecision] = []
     for fqn, module in model.named_modules():
-        if isinstance(module, nn.Linear) or has_gemm_counter(module):
-            report.linears.append(fqn)
-        if is_converted(module):
-            report.skip(fqn or "<root>", "already converted", ALREADY)
+        gemm = isinstance(module, nn.Linear) or has_gemm_counter(module)
+
+        def keep(reason: str, kind: str, note: str = "", where: str = fqn) -> None:
+            decisions.append(ModuleDecision(where, reason=reason, kind=kind, note=note, linear=gemm))
+
+        if engine.is_converted(module):
+            keep("already converted", ALREADY, where=fqn or "<root>")
             continue
         if has_gemm_counter(module):  # an FP8 layer, but of another engine: it would stay that engine's
             raise ConversionError(
-                f"cannot convert {type(model).__name__} with the {backend} engine: {fqn or '<root>'!r} is already "
-                f"an FP8 layer of another engine ({type(module).__name__}); convert the plain model, or keep "
-                "the engine it was converted with."
+                f"cannot convert {type(model).__name__} with the {engine.name} engine: {fqn or '<root>'!r} is "
+                f"already an FP8 layer of another engine ({type(module).__name__}); convert the plain model, or "
+                "keep the engine it was converted with."
             )
         if fqn in adapters:
-            report.skip(fqn, ADAPTER_NOTE, ADAPTER)
+            keep(ADAPTER_NOTE, ADAPTER)
             continue
         if fqn in fused:  # fp8plug.layers.fused_heads: an FP8 module there would never run
-            report.skip(fqn, fused[fqn][1], fused[fqn][0])
+            keep(fused[fqn][1], fused[fqn][0])
             continue
         if fqn in attention:
-            report.skip(fqn or "<root>", attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV)
+            keep(attention[fqn], MHA_OUT if isinstance(module, nn.Linear) else MHA_QKV, where=fqn or "<root>")
             continue
         check = eligible.get(type(module))
         if check is None:
             if isinstance(module, tuple(eligible)) and type(module) not in eligible:
-                report.skip(fqn, (
-                    f"{type(module).__name__} subclasses {_base_name(module, eligible)} but may not use its "
-                    "forward; only exact types are converted"
-                ), SUBCLASS, type(module).__name__)
+                keep(f"{type(module).__name__} subclasses {_base_name(module, eligible)} but may not use its "
+                     "forward; only exact types are converted", SUBCLASS, type(module).__name__)
+            elif gemm:
+                decisions.append(ModuleDecision(fqn, linear=True))  # no candidate here, still a Linear
             continue
         if ignore.intersection(paths.get(fqn, ())):  # under any of its names
-            report.skip(fqn, "listed in modules_to_ignore", IGNORED)
+            keep("listed in modules_to_ignore", IGNORED)
             continue
         if fqn in heads:
-            report.skip(fqn, OUTPUT_HEAD_REASON, OUTPUT_HEAD, OUTPUT_HEAD_NOTE)
+            keep(OUTPUT_HEAD_REASON, OUTPUT_HEAD, OUTPUT_HEAD_NOTE)
             continue
         if isinstance(module, nn.Linear):
             refuse_unusable_linear(fqn, module)
         problem = check(module)
         if problem:
-            report.skip(fqn, problem, NOT_ELIGIBLE, problem.split(" (")[0])
+            keep(problem, NOT_ELIGIBLE, problem.split(" (")[0])
             continue
-        if module_filter_fn is not None and not isinstance(module, unfiltered) and not module_filter_fn(module, fqn):
+        if (module_filter_fn is not None and not isinstance(module, eligibility.unfiltered)
+                and not module_filter_fn(module, fqn)):
             # a filter may word its reason, its kind and a short note itself (roofline.SpeedFilter)
             reason = getattr(module_filter_fn, "skip_reason", None)
             kind = getattr(module_filter_fn, "skip_kind", None)
             note = getattr(module_filter_fn, "skip_note", None)
-            report.skip(
-                fqn, reason(fqn) if reason else "module_filter_fn returned False",
-                (kind(fqn) if kind else None) or REFUSED, note(fqn) if note else "",
-            )
+            keep(reason(fqn) if reason else "module_filter_fn returned False",
+                 (kind(fqn) if kind else None) or REFUSED, note(fqn) if note else "")
             continue
-        targets.append((fqn, module))
-    return targets, report
+        scaling = scaling_of(fqn)
+        decisions.append(ModuleDecision(fqn, converts=True, scaling=scaling, linear=gemm,
+                                        note=layer_note(scaling) if scaling else ""))
+    return ModulePlan(engine.name, tuple(decisions))
 
 
 def check_module_names(model: nn.Module, names: Iterable[str], paths: Optional[Dict[str, List[str]]] = None) -> None:
@@ -387,6 +302,12 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module, paths: Optional[D
         parent_name, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
+
+
+def planned_modules(model: nn.Module, modules: ModulePlan) -> List[Tuple[ModuleDecision, nn.Module]]:
+    """Each decision of `modules` that converts, with the module it names in `model` (its first
+    name, as the plan was made)."""
+    return [(decision, model.get_submodule(decision.fqn)) for decision in modules.targets]
 
 
 def swap_modules(

@@ -6,7 +6,8 @@ whose activations grew outliers may want a finer scaling than the rest. The reci
 `layer_scaling` maps fnmatch patterns of module names to a scaling word or "bf16"; the first
 pattern that matches a module decides it, and a module no pattern matches takes the recipe's
 `scaling`. Patterns are checked when the recipe is built (`check_layer_scaling`); an engine
-that converts applies them with `word_for` and keeps the bf16 ones out with `bf16_filter`.
+that runs them says so when a model's conversion is planned (its `eligible`: each layer's word
+with `word_for`, the bf16 ones kept out with `bf16_filter`).
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ def word_for(rules: Optional[Rules], fqn: str) -> Optional[str]:
     return rule[1] if rule else None
 
 
+def layer_note(word: str) -> str:
+    """The report's note on a module whose scaling layer_scaling chose ("rowwise (layer_scaling)")."""
+    return f"{word} (layer_scaling)"
+
+
 def bf16_filter(rules: Optional[Rules], module_filter_fn: Optional[Callable]) -> Optional[Callable]:
     """`module_filter_fn` with the modules `rules` keep in bf16 refused too, each refusal worded
-    (skip_reason, skip_kind, skip_note, as fp8plug.layers.rules.plan_conversion reads them)."""
+    (skip_reason, skip_kind, skip_note, as fp8plug.layers.rules.decide_modules reads them)."""
     if not any(word == HIGH_PRECISION for _, word in rules or ()):
         return module_filter_fn
 
@@ -88,7 +94,7 @@ def bf16_filter(rules: Optional[Rules], module_filter_fn: Optional[Callable]) ->
 
     def note(fqn: str) -> str:
         if word_for(rules, fqn) == HIGH_PRECISION:
-            return "bf16 (layer_scaling)"
+            return layer_note(HIGH_PRECISION)
         inner = getattr(module_filter_fn, "skip_note", None)
         return inner(fqn) if inner else ""
 

@@ -57,7 +57,7 @@ class Plan:
     scaling: the scaling the engine runs ("" where a finished engine configuration was given
         instead of a recipe, as fp8plug.integrations.float8 does).
     modules_to_ignore, module_filter_fn: which eligible modules stay in high precision
-        (fp8plug.layers.rules.plan_conversion); the filter includes the automatic speed filter where
+        (fp8plug.layers.rules.decide_modules); the filter includes the automatic speed filter where
         it applies.
     keep_output_head: the model's output head (fp8plug.layers.output_head) stays in high
         precision (FP8RecipeKwargs.fp8_output_head, resolved by `make_plan`). Not compared: the

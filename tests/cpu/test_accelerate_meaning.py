@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fp8plug
-from fp8plug import FP8RecipeKwargs, TERecipeKwargs, api, autocast, backends
+from fp8plug import FP8RecipeKwargs, TERecipeKwargs, api, autocast, backends, coverage
 from fp8plug.backends import get_backend
 from fp8plug.backends.base import Probe
 from fp8plug.layers.rules import ConversionReport
@@ -65,16 +65,15 @@ def chosen(monkeypatch):
     with, call by call (nothing is converted). TE is measured slower than native here, as on the
     real H100, so the speed-ranked choice is not TE."""
     _available(monkeypatch, "te", "ao", "native")
-    monkeypatch.setattr(api, "device_info", lambda device=None: H100, raising=False)
     monkeypatch.setattr(backends, "device_info", lambda device=None: H100)
     names = []
     monkeypatch.setattr(api, "make_plan", lambda engine, recipe, device, auto_filter=False: None)
-    monkeypatch.setattr(api, "convert_with_plan",
-                        lambda model, engine, plan, linear, norm:
-                        names.append(engine.name) or ConversionReport(engine.name))
-    api._TE_PASSED_OVER.clear()
+    monkeypatch.setattr(api, "plan_model", lambda model, engine, plan, linear=True, norm=None:
+                        names.append(engine.name) or engine)
+    monkeypatch.setattr(api, "apply_plan", lambda model, engine: ConversionReport(engine.name))
+    coverage._NOTED.clear()
     yield names
-    api._TE_PASSED_OVER.clear()
+    coverage._NOTED.clear()
 
 
 def _model():
@@ -119,7 +118,7 @@ def test_without_te_the_automatic_choice_converts_and_says_why_once(chosen, monk
 
 
 def test_on_this_cpu_accelerates_call_converts_with_the_automatic_choice(caplog):
-    api._TE_PASSED_OVER.clear()
+    coverage._NOTED.clear()
     model = _model()
     with caplog.at_level(logging.WARNING, logger="fp8plug"):
         report = fp8plug.convert_model(model)
@@ -187,18 +186,18 @@ from fp8plug.backends.base import Probe
 from fp8plug.tuning.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
-api.device_info = backends.device_info = lambda device=None: H100
+backends.device_info = lambda device=None: H100
 for _name in ("msamp", "te", "ao", "native"):
     get_backend(_name).probe = (lambda: Probe(True, "fake")) if _name != "msamp" else (lambda: Probe(False, reason="not installed"))
 
 class Reached(Exception):
     pass
 
-def _stop(model, engine, plan, linear=True, norm=True):
-    raise Reached(f"{engine.name} linear={linear} norm={norm}")
+def _stop(model, engine, plan, linear=True, norm=None):
+    raise Reached(f"{engine.name} linear={linear} norm={norm is not False}")
 
 api.make_plan = lambda engine, recipe, device, auto_filter=False: None
-api.convert_with_plan = _stop
+api.plan_model = _stop
 '''  # noqa: E501 (a script's text, kept as it runs)
 
 

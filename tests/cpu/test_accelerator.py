@@ -153,12 +153,11 @@ class CloningNative(NativeEngine):
     """Native, but conversion makes new Parameter objects (as TransformerEngine does): tests that
     prepare() moves the optimizer to them. Not a claim about any real engine."""
 
-    def convert(self, model, recipe, linear=True, norm=True):
-        report = super().convert(model, recipe, linear, norm)
+    def convert_listed(self, model, plan, modules, report):
+        super().convert_listed(model, plan, modules, report)
         for module in model.modules():
             if isinstance(module, NativeFP8Linear):
                 module.weight = nn.Parameter(module.weight.detach().clone())
-        return report
 
 
 def test_prepare_rebinds_optimizer_to_new_parameters():

@@ -156,9 +156,9 @@ def test_autowrapped_model_compiles_fullgraph():
 
 
 def test_convert_model_passes_the_linear_and_norm_choice_to_the_engine(monkeypatch):
-    """convert_model(_convert_linear, _convert_ln) reaches every engine through its convert: an
+    """convert_model(_convert_linear, _convert_ln) reaches every engine through its plan: an
     engine of Linears only converts nothing without _convert_linear; TransformerEngine, which
-    converts norms too, is told both choices."""
+    converts norms too, is asked about both (Engine.eligible)."""
     model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32))
     report = fp8plug.convert_model(model, _convert_linear=False, backend="native")
     assert report.backend == "native" and report.converted == []
@@ -166,14 +166,14 @@ def test_convert_model_passes_the_linear_and_norm_choice_to_the_engine(monkeypat
     report = fp8plug.convert_model(model, _convert_ln=False, backend="native")
     assert report.converted == ["0"] and isinstance(model[0], NativeFP8Linear)
 
-    from fp8plug.api import convert_with_plan
     from fp8plug.backends.te.engine import TEEngine
-    from fp8plug.layers.rules import ConversionReport
+    from fp8plug.conversion.plan import plan_model
+    from fp8plug.layers.rules import Eligibility
     from fp8plug.recipe.plans import Plan
 
     calls = []
-    monkeypatch.setattr(TEEngine, "convert", lambda self, model, plan, linear=True, norm=True:
-                        calls.append((linear, norm)) or ConversionReport("te"))
-    convert_with_plan(model, TEEngine(), Plan(skip_causal_mask=False), linear=True, norm=False)
-    convert_with_plan(model, TEEngine(), Plan(skip_causal_mask=False), linear=False, norm=True)
+    monkeypatch.setattr(TEEngine, "eligible", lambda self, model, plan, linear=True, norm=True:
+                        calls.append((linear, norm)) or Eligibility())
+    plan_model(model, TEEngine(), Plan(skip_causal_mask=False), linear=True, norm=False)
+    plan_model(model, TEEngine(), Plan(skip_causal_mask=False), linear=False, norm=True)
     assert calls == [(True, False), (False, True)]

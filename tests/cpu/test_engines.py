@@ -46,10 +46,9 @@ def test_the_base_class_defines_no_optional_capability():
 
 @pytest.mark.parametrize("name, capabilities", [
     ("msamp", ["clip_grad_norm_", "deepspeed_problem", "plain_entries", "prepare"]),
-    ("te", ["engine_recipe", "grouped_gemm", "microbatch", "plain_entries", "runs_fp8"]),
-    ("ao", ["grouped_gemm", "has_storageless_weights", "runs_fp8"]),
-    ("native", ["frozen_fp8_layer", "grouped_gemm", "has_storageless_weights", "operand_scales", "rescale_layer",
-                "runs_fp8"]),
+    ("te", ["engine_recipe", "microbatch", "plain_entries", "runs_fp8"]),
+    ("ao", ["has_storageless_weights", "runs_fp8"]),
+    ("native", ["frozen_fp8_layer", "has_storageless_weights", "operand_scales", "rescale_layer", "runs_fp8"]),
 ])
 def test_each_engine_offers_what_it_defines(name, capabilities):
     assert sorted(c for c in OPTIONAL if offers(get_backend(name), c)) == capabilities

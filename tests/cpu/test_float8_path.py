@@ -77,7 +77,7 @@ def test_each_entry_point_checks_the_recipe_filters_converts_and_logs(name, conv
                                                                      monkeypatch, caplog):
     """The engine makes its plan from the recipe (and refuses what it cannot do), the speed filter
     is asked, the engine converts with what it left, and one INFO line names the engine and the
-    scaling: convert_model's stops, in order (fp8plug.recipe.plans.make_plan, api.convert_with_plan)."""
+    scaling: convert_model's stops, in order (fp8plug.recipe.plans.make_plan, fp8plug.conversion.apply)."""
     engine = get_backend(engine_name)
     stops = []
     make = engine.make_plan

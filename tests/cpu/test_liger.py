@@ -1,4 +1,4 @@
-"""Liger kernels and FP8 conversion on the CPU (fp8plug.layers.fused_heads, convert.plan_conversion).
+"""Liger kernels and FP8 conversion on the CPU (fp8plug.layers.fused_heads, layers.rules.decide_modules).
 
 Checked without liger-kernel (CI has no triton, so it cannot import it): a model whose forward is
 a function of the `liger_kernel` package, bound on the instance or on the class, or under a

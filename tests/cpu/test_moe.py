@@ -250,6 +250,7 @@ def test_engines_without_a_grouped_gemm_say_why():
     from fp8plug.backends.te.engine import TEEngine
 
     assert "GroupedLinear" in TEEngine().grouped_gemm()
+    assert get_backend("msamp").grouped_gemm() == "the msamp engine has no grouped FP8 GEMM"  # the default
     assert callable(get_backend("native").grouped_gemm(None, None))
 
 

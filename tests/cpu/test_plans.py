@@ -136,8 +136,9 @@ def test_the_shared_part_of_a_plan_comes_from_the_recipe():
 def test_the_accelerator_keeps_one_plan_and_hands_it_on(monkeypatch):
     engine = get_backend("native")
     seen = []
-    original = engine.convert
-    monkeypatch.setattr(engine, "convert", lambda model, plan, **kw: seen.append(plan) or original(model, plan, **kw))
+    original = engine.convert_listed
+    monkeypatch.setattr(engine, "convert_listed",
+                        lambda model, plan, *args: seen.append(plan) or original(model, plan, *args))
     accelerator = fp8plug.Accelerator(mixed_precision="fp8", cpu=True,
                                       kwargs_handlers=[FP8RecipeKwargs(backend="native", margin=2)])
     assert type(accelerator.fp8_plan).__name__ == "NativePlan" and accelerator.fp8_plan.margin == 2

@@ -303,14 +303,14 @@ def test_convert_model_filters_on_sm90_only_when_the_recipe_asks(monkeypatch, ca
 
     import fp8plug.api as api
 
-    real = api.select_backend
+    real = api.select_for
 
-    def on_h100(requested=None, device=None, compiled=None, **options):
-        selection = real(requested, device, compiled=compiled, **options)
+    def on_h100(recipe, device=None, compiled=None, **options):
+        selection = real(recipe, device, compiled=compiled, **options)
         selection.device = H100
         return selection
 
-    monkeypatch.setattr(api, "select_backend", on_h100)
+    monkeypatch.setattr(api, "select_for", on_h100)
     report = fp8plug.convert_model(_small_and_big(), backend="native")
     assert report.converted == ["0", "1"]
     with caplog.at_level(logging.INFO, logger="fp8plug"):
@@ -319,6 +319,6 @@ def test_convert_model_filters_on_sm90_only_when_the_recipe_asks(monkeypatch, ca
     (line,) = [r.getMessage() for r in caplog.records if r.name == "fp8plug" and r.levelno == logging.INFO]
     assert "1 of 2 Linear layers run in FP8" in line
     assert "kept in bf16 by auto_filter" in line and f"(1: {predicted_speedup(8192, 256, 256, 'native'):.2f}x)" in line
-    monkeypatch.setattr(api, "select_backend", real)
+    monkeypatch.setattr(api, "select_for", real)
     report = fp8plug.convert_model(_small_and_big(), recipe=FP8RecipeKwargs(backend="native"))  # the CPU
     assert report.converted == ["0", "1"]

@@ -37,10 +37,10 @@ from fp8plug.layers.rules import (
     ALIGNMENT,
     ConversionError,
     ConversionReport,
+    Eligibility,
     linear_alignment_problem,
     module_paths,
     plain_linear,
-    plan_conversion,
     record_converted,
     replace_module,
 )
@@ -275,28 +275,34 @@ class AOEngine(Engine):
         return config
 
     # conversion ------------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """Convert `model`'s Linear layers (where `linear`; torchao has no norms) in place with the
-        torchao config `plan` says (a Float8LinearConfig, or an MXFP8 training config:
-        fp8plug.backends.ao.config.mx_training_config), under the shared rules."""
+    def eligible(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> Eligibility:
+        """Linear layers (where `linear`; torchao has no norms) whose features the plan's torchao
+        config can take: aligned to 16, or to MXFP8's blocks of 32 under an MXFP8 training config."""
         if not linear:
-            return ConversionReport(self.name)
+            return Eligibility()
         self.require()
-        plan = self.plan_of(plan)
+        alignment = mx_alignment_problem if is_mx_training_config(plan.torchao_config) else linear_alignment_problem
+        return Eligibility({nn.Linear: alignment}, module_filter_fn=plan.module_filter_fn)
+
+    def convert_listed(self, model: nn.Module, plan, modules, report: ConversionReport) -> None:
+        """Convert the listed Linear layers in place with the torchao config the plan says (a
+        Float8LinearConfig, or an MXFP8 training config: fp8plug.backends.ao.config.mx_training_config),
+        handing torchao exactly their names."""
         config = self.float8_config(plan)
-        rules = dict(modules_to_ignore=plan.modules_to_ignore, module_filter_fn=plan.module_filter_fn,
-                     keep_output_head=plan.keep_output_head)
+        planned = [decision.fqn for decision in modules.targets]
+        if "" in planned:
+            raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
         if is_mx_training_config(config):
-            return _convert_mx(self, model, config, rules)
+            _convert_mx(model, config, planned, report)
+            return
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
         problem = float8_all_gather_problem(config) if config.enable_fsdp_float8_all_gather else None
         if problem:
             raise ValueError(f"enable_fsdp_float8_all_gather cannot be used with this float8 config: {problem}.")
-        planned, report = plan_fqns(model, self, linear_alignment_problem, **rules)
         if not planned:
-            return report
+            return
         wanted = frozenset(planned)
         paths = module_paths(model)  # torchao converts a module under its first name only
         convert_to_float8_training(model, module_filter_fn=lambda _module, fqn: fqn in wanted, config=config)
@@ -309,7 +315,6 @@ class AOEngine(Engine):
             replace_module(model, fqn, module, paths)  # its other names point at it too
             record_converted(model, fqn, module, module, report)
         track(model, self)  # float8 all-gather scales are due after every optimizer step (end_step)
-        return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Put plain nn.Linear modules back, holding the very Parameters the FP8 modules trained
@@ -364,19 +369,6 @@ class AOEngine(Engine):
         """torchao's float8 all-gather weights (data_ptr() == 0) can exist only once its fsdp_utils
         is imported."""
         return "torchao.float8.fsdp_utils" in sys.modules
-
-
-def plan_fqns(model, engine, alignment_problem, modules_to_ignore, module_filter_fn, keep_output_head=False):
-    """The shared conversion rules for torchao's own converters, which take a filter rather than
-    modules: (the fully-qualified names to convert, the report of every skipped candidate)."""
-    targets, report = plan_conversion(
-        model, engine.name, {nn.Linear: alignment_problem}, engine.is_converted, modules_to_ignore, module_filter_fn,
-        keep_output_head=keep_output_head,
-    )
-    planned = [fqn for fqn, _ in targets]
-    if "" in planned:
-        raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
-    return planned, report
 
 
 def _is_float8_linear(module: nn.Module) -> bool:
@@ -434,19 +426,16 @@ def mx_alignment_problem(module: nn.Linear) -> Optional[str]:
     return f"{' and '.join(bad)} not divisible by {MX_BLOCK} (MXFP8 scales blocks of 32)" if bad else None
 
 
-def _convert_mx(engine: AOEngine, model: nn.Module, config, rules: dict) -> ConversionReport:
+def _convert_mx(model: nn.Module, config, planned, report: ConversionReport) -> None:
     """Wrap the planned nn.Linear layers' parameters for MXFP8 training with torchao's `quantize_`
-    (in place), under the shared conversion rules (`rules`: plan_fqns's keywords) with MXFP8's
-    block alignment."""
+    (in place)."""
     from torchao.quantization import quantize_
 
-    planned, report = plan_fqns(model, engine, mx_alignment_problem, **rules)
     if not planned:
-        return report
+        return
     wanted = frozenset(planned)
     quantize_(model, config, filter_fn=lambda _module, fqn: fqn in wanted)
     for fqn in planned:
         module = model.get_submodule(fqn)
         module.__class__ = AOMXLinear
         record_converted(model, fqn, module, module, report)
-    return report

@@ -2,7 +2,7 @@
 
 MS-AMP is legacy: as released it does not install on a current stack (scripts/build_msamp_kit.sh
 builds it for one). It converts model and optimizer together inside `msamp.initialize`, so
-`convert()` only plans, marking each Linear fp8plug's rules leave alone with MS-AMP's own opt-out
+converting only marks each Linear fp8plug's rules leave alone with MS-AMP's own opt-out
 (`use_fp32_linear`), and `prepare()` initializes. What differs from the other engines (eval in
 FP8, DDP gradient sync, clipping, plain checkpoints, no "O3") is in docs/msamp.md. For FP8
 optimizer states without MS-AMP see fp8plug.integrations.optim.
@@ -20,9 +20,10 @@ from torch import nn
 from fp8plug.backends.base import Engine, Probe, probe_import
 from fp8plug.layers.rules import (
     ConversionReport,
+    Eligibility,
     check_convertible,
     linear_alignment_problem,
-    plan_conversion,
+    planned_modules,
     replace_module,
 )
 from fp8plug.recipe.engines import BACKENDS, listed
@@ -119,34 +120,31 @@ class MSAMPEngine(Engine):
         return "MS-AMP has no such setting (its scaling is its own)"
 
     # conversion ---------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """Plan MS-AMP's conversion of the Linear layers (where `linear`; MS-AMP has no norms)
-        without doing it: MS-AMP converts inside msamp.initialize, which needs the optimizer too
-        (see prepare). The report lists the Linears it will turn into FP8 under the shared rules;
-        each Linear the rules leave alone is marked `use_fp32_linear`, so MS-AMP leaves it alone
-        too. Calling it again re-plans (marks are recomputed)."""
-        if not linear:
-            return ConversionReport(self.name)
-        plan = self.plan_of(plan)
+    def eligible(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> Eligibility:
+        """Linear layers (where `linear`; MS-AMP has no norms) with aligned features, but those
+        the user marked with MS-AMP's own opt-out (`use_fp32_linear=True`)."""
+        def problem(module):
+            if getattr(module, SKIP_MARK, False) and not getattr(module, _OUR_MARK, False):
+                return f"{SKIP_MARK}=True (MS-AMP's own opt-out)"
+            return linear_alignment_problem(module)
+        return Eligibility({nn.Linear: problem} if linear else {}, module_filter_fn=plan.module_filter_fn)
+
+    def convert_listed(self, model: nn.Module, plan, modules, report: ConversionReport) -> None:
+        """Convert nothing yet: MS-AMP converts inside msamp.initialize, which needs the optimizer
+        too (see prepare). The listed Linears are reported as converted (MS-AMP will turn them into
+        FP8); every other Linear is marked `use_fp32_linear`, so MS-AMP leaves it alone too.
+        Called again, it marks anew."""
         _clear_our_marks(model)
-        targets, report = plan_conversion(
-            model, self.name, {nn.Linear: linear_alignment_problem}, self.is_converted,
-            plan.modules_to_ignore, plan.module_filter_fn, keep_output_head=plan.keep_output_head,
-        )
         chosen = set()
-        for fqn, module in targets:
-            if getattr(module, SKIP_MARK, False):
-                report.skipped[fqn] = f"{SKIP_MARK}=True (MS-AMP's own opt-out)"
-            else:
-                chosen.add(id(module))
-                report.converted.append(fqn)
+        for decision, module in planned_modules(model, modules):
+            chosen.add(id(module))
+            report.converted.append(decision.fqn)
         for module in model.modules():
             # every other Linear, subclasses included, which MS-AMP would otherwise take
             if isinstance(module, nn.Linear) and id(module) not in chosen and not getattr(module, SKIP_MARK, False):
                 setattr(module, SKIP_MARK, True)
                 setattr(module, _OUR_MARK, True)
         setattr(model, _PLANNED, True)
-        return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap MS-AMP's FP8Linears back for nn.Linears holding the dequantized fp32 weights (new

@@ -34,10 +34,11 @@ from fp8plug.backends.region import fp8_now, fp8_region
 from fp8plug.layers.rules import (
     ALIGNMENT,
     ConversionReport,
+    Eligibility,
     ignore_in_ddp,
     linear_alignment_problem,
     plain_linear,
-    plan_conversion,
+    planned_modules,
     replace_module,
     swap_modules,
 )
@@ -260,14 +261,15 @@ class NativePlan(DelayedScalingPlan):
         text = "/".join(self.tensor_scalings) if self.tensor_scalings else self.scaling
         return f"{text}, per layer {dict(self.layer_scaling)}" if self.layer_scaling else text
 
-    def layer_options(self, fqn: Optional[str] = None) -> dict:
-        """NativeFP8Linear's keyword options (for module `fqn`, where layer_scaling names it)."""
-        word = word_for(self.layer_scaling, fqn) if fqn is not None else None
-        return dict(
-            scaling=word or self.tensor_scalings or self.scaling or NativeEngine.scalings[0],
-            fp8_format=self.fp8_format, override_linear_precision=self.override_linear_precision,
-            **delayed_values(self),
-        )
+    def scaling_for(self, word: Optional[str] = None):
+        """The scaling of a layer whose own scaling is `word` (layer_scaling's, where it names the
+        layer; None: the plan's): a word, or a mode per tensor (tensor_scalings)."""
+        return word or self.tensor_scalings or self.scaling or NativeEngine.scalings[0]
+
+    def layer_options(self, word: Optional[str] = None) -> dict:
+        """NativeFP8Linear's keyword options, for a layer whose own scaling is `word` (scaling_for)."""
+        return dict(scaling=self.scaling_for(word), fp8_format=self.fp8_format,
+                    override_linear_precision=self.override_linear_precision, **delayed_values(self))
 
 
 class NativeEngine(Engine):
@@ -333,31 +335,35 @@ class NativeEngine(Engine):
                           tensor_scalings=tuple(given) if isinstance(given, tuple) else None,
                           fsdp_float8_all_gather=all_gather, layer_scaling=rules or None, **delayed)
 
-    def convert(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """Linear layers (`linear`) and transformers' Llama-style RMSNorms (`norm`), whose fused
-        kernels hand their output's amax to the cast of the layers reading it (backends._fused_norm)."""
-        plan = self.plan_of(plan)
-        names = {id(m): fqn for fqn, m in model.named_modules()}  # per-layer scaling (layer_scaling)
+    def eligible(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> Eligibility:
+        """Linear layers (`linear`), each under the scaling layer_scaling gives it (or bf16, kept out
+        by the filter), and transformers' Llama-style RMSNorms (`norm`), whose fused kernels hand
+        their output's amax to the cast of the layers reading them (backends.native.fused_norm)."""
         norms = tuple(fused_norm.llama_style_norms(model)) if norm else ()
-        eligible = dict.fromkeys(norms, fused_norm.norm_problem)
+        checks = dict.fromkeys(norms, fused_norm.norm_problem)
         if linear:
+            names = {id(m): fqn for fqn, m in model.named_modules()}
+
             def linear_problem(m):
-                scaling = plan.layer_options(names.get(id(m)))["scaling"]
+                scaling = plan.scaling_for(word_for(plan.layer_scaling, names.get(id(m), "")))
                 return linear_alignment_problem(m) or (
                     granular.feature_problem(scaling, m.in_features, m.out_features) if isinstance(scaling, str)
                     else None)
-            eligible[nn.Linear] = linear_problem
-        if not eligible:
-            return ConversionReport(self.name)
-        targets, report = plan_conversion(model, self.name, eligible, self.is_converted, plan.modules_to_ignore,
-                                          bf16_filter(plan.layer_scaling, plan.module_filter_fn), unfiltered=norms,
-                                          keep_output_head=plan.keep_output_head)
-        for fqn, _ in targets:
-            word = word_for(plan.layer_scaling, fqn)
-            if word:
-                report.notes[fqn] = f"{word} (layer_scaling)"
-        report = swap_modules(model, targets, lambda m: NativeFP8Linear.from_linear(m, **plan.layer_options(
-            names.get(id(m)))) if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
+            checks[nn.Linear] = linear_problem
+        return Eligibility(checks, unfiltered=norms, module_filter_fn=bf16_filter(plan.layer_scaling,
+                                                                                  plan.module_filter_fn),
+                           scaling_of=lambda fqn: word_for(plan.layer_scaling, fqn))
+
+    def convert_listed(self, model: nn.Module, plan, modules, report: ConversionReport) -> None:
+        """NativeFP8Linear for each listed Linear (its own scaling where layer_scaling names one),
+        FusedRMSNorm for each listed norm; delayed scaling's state kept out of DDP's broadcasts,
+        FSDP2's FP8 all-gather where the plan asks for it, and the model tracked for the end of
+        every optimizer step."""
+        listed = planned_modules(model, modules)
+        words = {id(module): decision.scaling for decision, module in listed}
+        swap_modules(model, [(decision.fqn, module) for decision, module in listed],
+                     lambda m: NativeFP8Linear.from_linear(m, **plan.layer_options(words[id(m)]))
+                     if isinstance(m, nn.Linear) else fused_norm.FusedRMSNorm(m), report)
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         linears = set(report.linears)
@@ -368,7 +374,6 @@ class NativeEngine(Engine):
                 fsdp_fp8.wrap_weight(module)
             fsdp_fp8.log_all_gather(len(layers))
         track_for_sync(model, self)
-        return report
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         untrack_for_sync(model)  # no FP8 layers left to guard or to end steps for

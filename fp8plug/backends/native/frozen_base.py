@@ -6,7 +6,7 @@ the base's memory, and then FP8 training casts the same weights back to FP8 on e
 LoRA the base never changes, so its FP8 codes can feed the FP8 GEMMs as they are: one byte per
 weight, no weight cast, no weight-gradient GEMM.
 
-`FrozenFP8Linear` is an `nn.Linear` (PEFT wraps it as a LoRA base layer, `plan_conversion`
+`FrozenFP8Linear` is an `nn.Linear` (PEFT wraps it as a LoRA base layer, `decide_modules`
 recognises it through the native engine's `is_converted`) holding
 - `weight`: a float8_e4m3fn Parameter, requires_grad False, row-major [out, in];
 - `weight_scale`: a float32 scalar buffer, the multiplier (weight ~= fp8 x scale), persistent, so

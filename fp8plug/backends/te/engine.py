@@ -42,9 +42,10 @@ from fp8plug.backends.te.recipes import (
 from fp8plug.layers.rules import (
     ALIGNMENT,
     ConversionReport,
+    Eligibility,
     linear_alignment_problem,
     plain_linear,
-    plan_conversion,
+    planned_modules,
     replace_module,
     swap_modules,
 )
@@ -296,22 +297,22 @@ class TEEngine(Engine):
                 eligible[nn.RMSNorm] = rms_norm
         return eligible
 
-    def convert(self, model: nn.Module, plan=None, linear: bool = True, norm: bool = True) -> ConversionReport:
-        """Swap eligible Linear (`linear`) and LayerNorm / RMSNorm (`norm`) modules for TE's, in
-        place, sharing their parameters. Builds the TE recipe first, so a recipe this TE cannot
-        build fails here."""
+    def eligible(self, model: nn.Module, plan, linear: bool = True, norm: bool = True) -> Eligibility:
+        """Linear (`linear`) and LayerNorm / RMSNorm (`norm`) modules TE can take, under the plan's
+        filter (`eligibility`, for the scaling the plan runs)."""
+        self.require()
+        scaling = recipe_kind(plan.given) if plan.given is not None else plan.scaling
+        return Eligibility(self.eligibility(scaling, linear, norm), module_filter_fn=plan.module_filter_fn)
+
+    def convert_listed(self, model: nn.Module, plan, modules, report: ConversionReport) -> None:
+        """Swap the listed Linear and LayerNorm / RMSNorm modules for TE's, in place, sharing their
+        parameters. Builds the TE recipe first, so a recipe this TE cannot build fails before the
+        model is touched."""
         te = self.require()
-        plan = self.plan_of(plan)
-        if plan.given is not None:
-            scaling = recipe_kind(plan.given)
-        else:
-            scaling = plan.scaling
-            if torch.cuda.is_available():
-                self.te_recipe(plan)  # refuse a recipe this TE cannot build, before touching the model
-        targets, report = plan_conversion(
-            model, self.name, self.eligibility(scaling, linear, norm), self.is_converted,
-            plan.modules_to_ignore, plan.module_filter_fn, keep_output_head=plan.keep_output_head,
-        )
+        if plan.given is None and torch.cuda.is_available():
+            self.te_recipe(plan)  # refuse a recipe this TE cannot build, before touching the model
+        listed = planned_modules(model, modules)
+        linear = any(isinstance(module, nn.Linear) for _, module in listed)
         linear_cls = te_linear_class() if linear else None
 
         def build(module: nn.Module) -> nn.Module:
@@ -336,7 +337,7 @@ class TEEngine(Engine):
             accept_plain_state_dict(new)
             return new
 
-        return swap_modules(model, targets, build, report)
+        swap_modules(model, [(decision.fqn, module) for decision, module in listed], build, report)
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap TE Linear / LayerNorm / RMSNorm modules back for torch ones sharing their
