@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     plain_keys = set(model.state_dict())
 
     # 1-2: convert in place. "auto" (or None) picks the engine: msamp, te, ao, native, first that runs.
-    # convert_model converts every eligible layer (Accelerate's contract); auto_filter=False says so
+    # convert_model converts every eligible layer but an lm_head (fp8_output_head); auto_filter=False says so
     # even where FP8PLUG_AUTO_FILTER=true asks for the speed filter (which keeps small layers in bf16)
     recipe = FP8RecipeKwargs(backend=args.backend, modules_to_ignore=["head"], auto_filter=False)
     report = fp8plug.convert_model(model, recipe=recipe)

@@ -48,9 +48,10 @@ def convert_model(
     `has_transformer_engine_layers(model)` is then True; where TE does not run, the automatic
     choice converts instead, and why TE could not is logged once.
 
-    As in Accelerate, every eligible layer is converted: the automatic speed filter acts here only
-    when the recipe asks for it (`auto_filter=True`), where the Accelerator applies it by default,
-    and the output head converts unless `fp8_output_head=False`. Logs one
+    Which modules convert follows the one rule too: the output head (`lm_head`) stays in high
+    precision unless `fp8_output_head=True` (docs/recipe.md#fp8_output_head). As in Accelerate,
+    every other eligible layer is converted: the automatic speed filter acts here only when the
+    recipe asks for it (`auto_filter=True`), where the Accelerator applies it by default. Logs one
     line under the `fp8plug` logger (fp8plug.coverage). Returns the ConversionReport of what was
     converted and why anything was skipped (None when converting back). `_convert_ln` (default:
     convert norms where the engine can) given as True warns where the engine chosen left every

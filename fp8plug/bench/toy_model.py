@@ -2,8 +2,8 @@
 
 Every projection is an nn.Linear (so every engine has something to convert) and every width is a
 multiple of 16 by default. The output head (`lm_head`, the most sensitive layer) stays in high
-precision under fp8plug.Accelerator by default (FP8RecipeKwargs.fp8_output_head); the examples that
-convert by hand leave it out through `modules_to_ignore=["lm_head"]`.
+precision by default, through fp8plug.Accelerator and convert_model alike
+(FP8RecipeKwargs.fp8_output_head); some examples name it in `modules_to_ignore=["lm_head"]` as well.
 """
 
 from __future__ import annotations

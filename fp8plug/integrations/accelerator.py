@@ -144,9 +144,9 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
             recipe = self.fp8_recipe = self.fp8_recipe_handler = self.fp8_selection.tune(recipe)
             log_selection(self.fp8_selection)
             # the plan, once: a recipe the engine refuses fails here, not mid-prepare; the speed
-            # filter on, and the output head in high precision unless fp8_output_head=True (docs/recipe.md)
+            # filter on as the recipe says (docs/recipe.md#auto_filter)
             self.fp8_plan = make_plan(self.fp8_engine, self._recipe_for_run(recipe), self.fp8_selection.device,
-                                      auto_filter=True, output_head_default_fp8=False)
+                                      auto_filter=True)
             self.fp8_checkpoint_state = FP8CheckpointState(self.fp8_engine, self._fp8_models, recipe)
             if ds.is_deepspeed(self):
                 ds.check_engine(self)

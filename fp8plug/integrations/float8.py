@@ -22,6 +22,7 @@ from fp8plug.api import convert_model, sync_fp8_scaling
 from fp8plug.backends import get_backend
 from fp8plug.backends.steps import end_step
 from fp8plug.integrations.float8_training import (
+    TORCHAO_CONVERTS_THE_HEAD,
     DelayedScalingConfig,
     Float8CastConfig,
     Float8ScalingType,
@@ -257,7 +258,7 @@ class Float8Config:
             # torchao's recipe as it is: tensorwise's own format is HYBRID (the ao engine applies a
             # format to the rowwise recipes, E4M3 throughout, only when one is set), nothing overridden
             fp8_format="HYBRID" if name == "tensorwise" else None, override_linear_precision=(False, False, False),
-            pad_inner_dim=False, enable_fsdp_float8_all_gather=False,
+            pad_inner_dim=False, enable_fsdp_float8_all_gather=False, fp8_output_head=TORCHAO_CONVERTS_THE_HEAD,
         )
 
     def apply_float8_linear(self, model: nn.Module, *, modules_to_ignore: Optional[Sequence[str]] = None):

@@ -20,6 +20,11 @@ from fp8plug.recipe.kwargs import DEFAULTS, FP8RecipeKwargs
 # torchao's float8 recipe names, in the order torchao documents them
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
+# torchao's converters (and OLMo-core's, on them) convert every Linear their filter lets through, the
+# output head included; the entry points shaped like them keep that, where fp8plug's own ways in
+# keep the head in high precision unless asked (FP8RecipeKwargs.fp8_output_head)
+TORCHAO_CONVERTS_THE_HEAD = True
+
 
 class Float8ScalingType(enum.Enum):
     """How one tensor is scaled to float8: from its own amax (DYNAMIC), from a history of past
@@ -194,16 +199,17 @@ class Float8TrainingConfig:
             amax_compute_algo=self.delayed_scaling_config.scale_fn_name,
             **{name: DEFAULTS[name] for name in ("fp8_format", "margin", "interval", "override_linear_precision",
                                                  "reduce_amax")},
-            modules_to_ignore=(), module_filter_fn=module_filter_fn,
+            modules_to_ignore=(), module_filter_fn=module_filter_fn, fp8_output_head=TORCHAO_CONVERTS_THE_HEAD,
         )
 
 
 def torchao_recipe(config, module_filter_fn: Optional[Callable] = None, modules_to_ignore=()) -> FP8RecipeKwargs:
     """The recipe for a whole torchao config (a Float8LinearConfig or its MXFP8 training config),
-    taken as is: `ao_config` on the `ao` engine, no other field set explicitly, so nothing from
-    the environment is applied on top of it."""
+    taken as is: `ao_config` on the `ao` engine, no other field of the config's set explicitly, so
+    nothing from the environment is applied on top of it; the output head converts with the rest
+    (TORCHAO_CONVERTS_THE_HEAD)."""
     return FP8RecipeKwargs(backend="ao", ao_config=config, modules_to_ignore=tuple(modules_to_ignore),
-                           module_filter_fn=module_filter_fn)
+                           module_filter_fn=module_filter_fn, fp8_output_head=TORCHAO_CONVERTS_THE_HEAD)
 
 
 def is_torchao_float8_config(value) -> bool:

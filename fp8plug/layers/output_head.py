@@ -5,7 +5,7 @@ Why it is singled out: FP8 rounding there lands directly on the logits, and the 
 output dimensions (hidden size x vocabulary) make it the one Linear that measured costly in FP8. A
 162M Llama trained 3000 steps on real text ended 1.44% above bf16's loss with every Linear in FP8,
 and within bf16's own run-to-run spread with only the head left in bf16 (docs/numerics.md). So the
-Accelerator keeps the head in high precision by default (FP8RecipeKwargs.fp8_output_head), as
+conversion keeps the head in high precision by default (FP8RecipeKwargs.fp8_output_head), as
 torchtitan, Megatron-LM and Accelerate's torchao path do; the conversion rules
 (fp8plug.layers.rules.decide_modules) ask this module which module that is.
 

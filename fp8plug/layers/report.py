@@ -4,7 +4,8 @@ Why apart from the rules (layers.rules): the rules decide; these say what was de
 words the log line, the report users read and the checks share. A ModulePlan holds one
 ModuleDecision per candidate module (converting, with its scaling, or staying, with its reason
 and the kind the summary groups it under); the ConversionReport is made from it and then says
-what conversion did (`converted`).
+what conversion did (`converted`), each count naming what it counts (Linear layers, norms, MoE
+experts modules).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class ConversionReport:
     experts: List[str] = field(default_factory=list)  # mixture-of-experts experts modules (fp8plug.hf.experts)
 
     def __str__(self) -> str:
-        lines = [f"{self.backend}: converted {len(self.converted)} module(s), skipped {len(self.skipped)}"]
+        lines = [f"{self.backend}: converted {self._counted(self.converted, 'norm')}, "
+                 f"skipped {self._counted(self.skipped, 'other module')}"]
         lines += [f"  converted {name}" + (f": {self.notes[name]}" if self.notes.get(name) else "")
                   for name in self.converted]
         lines += [f"  skipped   {name}: {why}" for name, why in self.skipped.items()]
@@ -87,9 +89,27 @@ class ConversionReport:
         linears = set(self.linears)
         return {f: why for f, why in self.skipped.items() if f in linears and self.kinds.get(f) != ALREADY}
 
+    @property
+    def norms(self) -> List[str]:
+        """The converted modules that are neither Linear layers nor experts: the norms engines
+        convert (the native engine's fused Llama-style RMSNorms, TransformerEngine's LayerNorm and
+        RMSNorm)."""
+        linears, experts = set(self.linears), set(self.experts)
+        return [f for f in self.converted if f not in linears and f not in experts]
+
+    def _counted(self, names, other: str) -> str:
+        """'14 Linear layers and 5 norms': `names` counted by what they are (`other`: what a
+        module that is neither a Linear layer nor an experts module is called)."""
+        linears, experts = set(self.linears), set(self.experts)
+        counts = [(sum(n in linears for n in names), "Linear layer"),
+                  (sum(n in experts for n in names), "MoE experts module"),
+                  (sum(n not in linears and n not in experts for n in names), other)]
+        parts = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n]
+        return " and ".join(parts) if parts else "nothing"
+
     def summary(self, subject: str = "model", max_names: int = 3) -> str:
         """One line: how many Linear layers run in FP8 and why the rest do not, grouped by kind
-        (at most `max_names` names per group), plus other converted modules (norms)."""
+        (at most `max_names` names per group), plus the experts and the norms converted."""
         fp8 = self.fp8_linears
         rest = self.high_precision_linears
         total = len(fp8) + len(rest)
@@ -112,9 +132,9 @@ class ConversionReport:
             line += "; in high precision: " + "; ".join(parts)
         if self.experts:
             line += "; " + self._experts_summary(max_names)
-        others = [f for f in self.converted if f not in set(self.linears) and f not in set(self.experts)]
-        if others:
-            line += f"; also converted {len(others)} other module(s) ({self._names(others, max_names)})"
+        norms = self.norms
+        if norms:
+            line += f"; also converted {self._counted(norms, 'norm')} ({self._names(norms, max_names)})"
         return line
 
     def _experts_summary(self, limit: int) -> str:

@@ -117,10 +117,10 @@ class FP8RecipeKwargs(KwargsHandler):
         auto_filter_tokens: the tokens per GPU per step the filter assumes (default 8192).
         skip_causal_mask: SDPA's is_causal instead of a built causal mask (default True).
         fp8_dpa: FP8 attention through TransformerEngine (default False).
-        fp8_output_head: the model's output head (lm_head) in FP8. None (default): high precision
-            through the Accelerator (an FP8 head cost 1.4% final loss on real text,
-            docs/numerics.md), FP8 through convert_model (Accelerate's contract); True or False:
-            on every path.
+        fp8_output_head: the model's output head (lm_head) in FP8. None (default) or False: high
+            precision, through the Accelerator and convert_model alike (an FP8 head cost 1.4% final
+            loss on real text, docs/numerics.md); True: FP8. The torchao-shaped entry points
+            (fp8plug.integrations.float8) convert it, as torchao's do.
         layer_scaling: per-layer scaling (native): {module-name fnmatch pattern: scaling word or
             "bf16"}, the first matching pattern deciding (fp8plug.recipe.layer_scaling).
         numerics_watch_interval: every how many optimizer steps the numerics watch checks every
@@ -294,9 +294,8 @@ def _module_filter(value, label: str) -> Optional[Callable]:
 
 
 def _bool_or_auto(value, label: str) -> Optional[bool]:
-    """True, False, or None ("auto", "none"): the default, which depends on where the recipe is
-    used (auto_filter: on where a calibration exists; fp8_output_head: the Accelerator or
-    convert_model)."""
+    """True, False, or None ("auto", "none"): the default (auto_filter: on where a calibration
+    exists, through the Accelerator; fp8_output_head: the head in high precision)."""
     if value is None or str(value).strip().lower() in ("auto", "none"):
         return None
     return parse_bool(value, label)

@@ -60,8 +60,7 @@ class Plan:
         (fp8plug.layers.rules.decide_modules); the filter includes the automatic speed filter where
         it applies.
     keep_output_head: the model's output head (fp8plug.layers.output_head) stays in high
-        precision (FP8RecipeKwargs.fp8_output_head, resolved by `make_plan`). Not compared: the
-        same recipe resolves it one way for convert_model and the other for the Accelerator, so a
+        precision (FP8RecipeKwargs.fp8_output_head, resolved by `make_plan`). Not compared: a
         model converted by hand and then prepared keeps its head as converted (reported as
         already converted), rather than being refused as converted with other settings.
     use_autocast_during_eval: FP8 in eval mode too (fp8plug.autocast).
@@ -78,7 +77,7 @@ class Plan:
     scaling: str = ""
     modules_to_ignore: Optional[Tuple[str, ...]] = None
     module_filter_fn: Optional[Callable] = field(default=None, compare=False, repr=False)
-    keep_output_head: bool = field(default=False, compare=False)
+    keep_output_head: bool = field(default=True, compare=False)
     use_autocast_during_eval: bool = False
     optimizer_states: Optional[str] = None
     skip_causal_mask: bool = True
@@ -137,14 +136,11 @@ class Settings:
 
 
 def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=None, *,
-              auto_filter: bool = False, output_head_default_fp8: bool = True) -> Plan:
+              auto_filter: bool = False) -> Plan:
     """`engine`'s frozen plan for `recipe` (None: one from the environment and the defaults) on
     `device` (a DeviceInfo, a torch device, or None for the current one). `auto_filter`: add the
     automatic speed filter as FP8RecipeKwargs.auto_filter says (fp8plug.tuning.roofline.auto_filter;
-    the Accelerator asks for it, convert_model only where auto_filter=True).
-    `output_head_default_fp8`: what FP8RecipeKwargs.fp8_output_head=None means here (the
-    Accelerator passes False, keeping the head in high precision; convert_model converts it, as
-    Accelerate's and torchao's do). Raises ValueError
+    the Accelerator asks for it, convert_model only where auto_filter=True). Raises ValueError
     for a recipe the engine refuses; warns once per field passed that the engine ignores."""
     if recipe is None:
         recipe = FP8RecipeKwargs(backend=engine.name)
@@ -169,17 +165,18 @@ def make_plan(engine: Engine, recipe: Optional[FP8RecipeKwargs] = None, device=N
         module_filter_fn = speed_filter(recipe, engine.name, info) or module_filter_fn
     return dataclasses.replace(  # an engine that named its scaling itself (a whole ao_config) keeps that name
         plan, scaling=plan.scaling or scaling, modules_to_ignore=recipe.modules_to_ignore,
-        module_filter_fn=module_filter_fn, keep_output_head=not _output_head_fp8(recipe, output_head_default_fp8),
+        module_filter_fn=module_filter_fn, keep_output_head=not _output_head_fp8(recipe),
         use_autocast_during_eval=recipe.use_autocast_during_eval, optimizer_states=recipe.optimizer_states,
         skip_causal_mask=recipe.skip_causal_mask, fp8_dpa=recipe.fp8_dpa,
         **{name: getattr(recipe, name) for name in NUMERICS_FIELDS},
     )
 
 
-def _output_head_fp8(recipe: FP8RecipeKwargs, default_fp8: bool) -> bool:
-    """Whether the output head converts: the recipe's fp8_output_head where set, else the
-    caller's default (the one rule; docs/recipe.md#fp8_output_head)."""
-    return default_fp8 if recipe.fp8_output_head is None else recipe.fp8_output_head
+def _output_head_fp8(recipe: FP8RecipeKwargs) -> bool:
+    """Whether the output head converts: only where fp8_output_head=True; None (the default) keeps
+    it in high precision, whichever way the model is converted (the one rule;
+    docs/recipe.md#fp8_output_head)."""
+    return recipe.fp8_output_head is True
 
 
 def _ignored(engine: Engine, scaling: str, recipe: FP8RecipeKwargs) -> Iterator[str]:

@@ -453,7 +453,7 @@ def test_frozen_base_layers_do_no_weight_gradient_work(monkeypatch):
     from tests.cpu.test_lora import lora_llama, step, tokens
     from tests.support.hf import tiny_llama
 
-    ao = recipe(auto_filter=False)
+    ao = recipe(auto_filter=False, fp8_output_head=True)
     casts = count_casts(monkeypatch)
     results = []
     for model in (lora_llama(), tiny_llama()):

@@ -84,7 +84,7 @@ def test_convert_by_hand(tmp_path):
     assert result["plain_keys"] is True
     assert result["eval_diff"] == 0.0  # eval runs the very same high-precision ops as the plain model
     assert result["last_loss"] < 0.5 * result["first_loss"]
-    assert "native: converted 2 module(s), skipped 2" in stdout  # the ConversionReport is printed
+    assert "native: converted 2 Linear layers, skipped 2 Linear layers" in stdout  # the ConversionReport is printed
     assert "after unconvert_model, FP8 layers left: False" in stdout
 
 

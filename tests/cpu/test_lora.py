@@ -27,7 +27,8 @@ from fp8plug.layers.rules import ADAPTER  # noqa: E402
 from tests.support.hf import VOCAB, fresh, tiny_llama  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402
 
-RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
+# the head asked for in FP8 too, so that every frozen Linear of the LoRA model is an FP8 base layer
+RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False, fp8_output_head=True)
 
 
 def lora_llama(seed=0):

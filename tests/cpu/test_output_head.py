@@ -1,11 +1,11 @@
 """The output head (lm_head) and FP8RecipeKwargs.fp8_output_head, on the CPU with tiny models.
 
-Checked: the Accelerator's default keeps a transformers model's head in high precision (report kind
-and reason, summary, GEMM coverage) while fp8plug.convert_model, with or without a recipe, still
-converts it (Accelerate's and torchao's contract); fp8_output_head=True / False decide on every
-path, from an argument or the environment; the head is found through get_output_embeddings() in a
-PeftModel wrapper and in a model held inside another module, by the name `lm_head` in a plain
-module, and a model with no head is left as it was.
+Checked: the default keeps a transformers model's head in high precision (report kind and reason,
+summary, GEMM coverage) whichever way the model is converted: fp8plug.Accelerator and
+fp8plug.convert_model, with or without a recipe, decide it alike, with the same engine;
+fp8_output_head=True / False decide on every path, from an argument or the environment; the head
+is found through get_output_embeddings() in a PeftModel wrapper and in a model held inside another
+module, by the name `lm_head` in a plain module, and a model with no head is left as it was.
 """
 
 import pytest
@@ -55,11 +55,25 @@ def test_the_accelerator_keeps_lm_head_in_high_precision_by_default():
 
 
 @pytest.mark.parametrize("recipe", [None, FP8RecipeKwargs(backend="native")], ids=["no recipe", "native recipe"])
-def test_convert_model_still_converts_lm_head(recipe):
+def test_convert_model_keeps_lm_head_in_high_precision_too(recipe):
     model = tiny_llama()
     report = fp8plug.convert_model(model, recipe=recipe) if recipe else fp8plug.convert_model(model)
-    assert "lm_head" in report.converted and "lm_head" not in report.skipped
-    assert type(model.lm_head) is not nn.Linear  # the engine's FP8 layer, whichever engine ran here
+    assert report.kinds["lm_head"] == OUTPUT_HEAD and "lm_head" not in report.converted
+    assert type(model.lm_head) is nn.Linear
+    assert len(report.fp8_linears) == 14
+
+
+def test_both_ways_in_decide_the_head_and_the_engine_alike():
+    """The same model and the same default recipe through convert_model and through the
+    Accelerator: the same engine (the automatic choice), the same modules converted, the head kept
+    in high precision by both."""
+    by_hand = tiny_llama()
+    report = fp8plug.convert_model(by_hand, recipe=FP8RecipeKwargs())
+    _, _, accelerator = accelerated(tiny_llama(), FP8RecipeKwargs())
+    (prepared,) = accelerator.fp8_reports
+    assert report.backend == prepared.backend == accelerator.fp8_engine.name
+    assert report.converted == prepared.converted and report.kinds == prepared.kinds
+    assert report.kinds["lm_head"] == OUTPUT_HEAD and type(by_hand.lm_head) is nn.Linear
 
 
 @pytest.mark.parametrize("fp8_output_head", [True, False])
@@ -80,7 +94,7 @@ def test_fp8_output_head_from_the_environment(monkeypatch, variable):
     recipe = FP8RecipeKwargs(**NATIVE)
     assert recipe.fp8_output_head is True and not recipe.is_explicit("fp8_output_head")
     engine = fp8plug.get_backend("native")
-    assert make_plan(engine, recipe, CPU, output_head_default_fp8=False).keep_output_head is False
+    assert make_plan(engine, recipe, CPU).keep_output_head is False
     assert FP8RecipeKwargs(fp8_output_head=False).fp8_output_head is False  # an argument beats the environment
     monkeypatch.setenv(variable, "auto")
     assert FP8RecipeKwargs().fp8_output_head is None
@@ -89,17 +103,15 @@ def test_fp8_output_head_from_the_environment(monkeypatch, variable):
         FP8RecipeKwargs()
 
 
-def test_the_plan_resolves_the_default_by_path_and_no_engine_calls_it_ignored(recwarn):
+def test_the_plan_keeps_the_head_unless_asked_and_no_engine_calls_it_ignored(recwarn):
     for name in ("native", "ao", "te", "msamp"):
         engine = fp8plug.get_backend(name)
         try:
-            accelerator_plan = make_plan(engine, FP8RecipeKwargs(backend=name), CPU, output_head_default_fp8=False)
+            default_plan = make_plan(engine, FP8RecipeKwargs(backend=name), CPU)
         except (ValueError, fp8plug.BackendUnavailableError):  # an engine that cannot plan on this machine
             continue
-        assert accelerator_plan.keep_output_head is True
-        assert make_plan(engine, FP8RecipeKwargs(backend=name), CPU).keep_output_head is False
-        assert make_plan(engine, FP8RecipeKwargs(backend=name, fp8_output_head=True), CPU,
-                         output_head_default_fp8=False).keep_output_head is False
+        assert default_plan.keep_output_head is True
+        assert make_plan(engine, FP8RecipeKwargs(backend=name, fp8_output_head=True), CPU).keep_output_head is False
         assert make_plan(engine, FP8RecipeKwargs(backend=name, fp8_output_head=False), CPU).keep_output_head is True
     assert not [w for w in recwarn if "fp8_output_head" in str(w.message)]
 
@@ -110,11 +122,11 @@ def test_modules_to_ignore_naming_the_head_too_is_no_error():
 
 
 def test_a_model_converted_by_hand_then_prepared_keeps_its_fp8_head():
-    """convert_model converts the head and the Accelerator would not: the same recipe through both
-    is still the same conversion (Plan.keep_output_head is not compared), so prepare() takes the
-    model as converted instead of refusing it."""
+    """Converted by hand with the head in FP8 (fp8_output_head=True), then prepared with the default:
+    still the same conversion (Plan.keep_output_head is not compared), so prepare() takes the model
+    as converted instead of refusing it."""
     model = tiny_llama()
-    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(**NATIVE))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(fp8_output_head=True, **NATIVE))
     model, _, accelerator = accelerated(model, FP8RecipeKwargs(**NATIVE))
     report = accelerator.fp8_reports[0]
     assert is_fp8(model.lm_head) and report.kinds["lm_head"] == "already converted"
@@ -182,8 +194,9 @@ def test_the_head_is_found_inside_another_module_and_by_name():
     model, _, accelerator = accelerated(PlainLM(), FP8RecipeKwargs(**NATIVE))
     assert accelerator.fp8_reports[0].kinds["lm_head"] == OUTPUT_HEAD and type(model.lm_head) is nn.Linear
     assert is_fp8(model.body[0]) and is_fp8(model.body[2])
-    plain = PlainLM()
-    assert "lm_head" in fp8plug.convert_model(plain, recipe=FP8RecipeKwargs(**NATIVE)).converted
+    assert fp8plug.convert_model(PlainLM(), recipe=FP8RecipeKwargs(**NATIVE)).kinds["lm_head"] == OUTPUT_HEAD
+    asked = FP8RecipeKwargs(fp8_output_head=True, **NATIVE)
+    assert "lm_head" in fp8plug.convert_model(PlainLM(), recipe=asked).converted
 
 
 @pytest.mark.parametrize("cls", [NoHead, Raises])
@@ -195,5 +208,5 @@ def test_a_model_with_no_head_converts_every_linear(cls):
 
 def test_an_already_converted_head_is_still_the_head():
     model = tiny_llama()
-    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(**NATIVE))
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(fp8_output_head=True, **NATIVE))
     assert output_head_fqns(model) == {"lm_head"}

@@ -86,8 +86,9 @@ def kernel_counts(step) -> dict:
 
 
 def test_a_llama_casts_each_shared_input_once_and_reads_the_norms_amax():
-    model = tiny_llama_cuda()
-    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native", scaling="dynamic"))
+    model = tiny_llama_cuda()  # the head asked for in FP8 too: its input is the final norm's output
+    fp8plug.convert_model(model, recipe=fp8plug.FP8RecipeKwargs(backend="native", scaling="dynamic",
+                                                                fp8_output_head=True))
     ids = torch.randint(0, 512, (2, 128), device="cuda")
     model.train()
 
