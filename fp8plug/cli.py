@@ -52,10 +52,9 @@ def env_report(device=None) -> str:
 
 def fp8_setting_variables() -> list:
     """Every environment variable an FP8RecipeKwargs reads (fp8plug.recipe.environment)."""
-    from fp8plug.recipe.environment import ENV_NAMES, MODULES_TO_IGNORE_ENV, OVERRIDE_ENV_NAMES
+    from fp8plug.recipe.environment import VARIABLES
 
-    names = [name for pair in ENV_NAMES.values() for name in pair if name]
-    return names + list(MODULES_TO_IGNORE_ENV) + list(OVERRIDE_ENV_NAMES)
+    return list(VARIABLES)
 
 
 def fp8_settings_problem(info=None, environ=None) -> Optional[str]:
@@ -101,13 +100,11 @@ def fp8_settings_problem(info=None, environ=None) -> Optional[str]:
 def _naming_variable(message: str, environ) -> str:
     """A recipe's error `message`, led by the variable(s) that gave the field it names and their
     values, where it does not name them already."""
-    from fp8plug.recipe.environment import ENV_NAMES, MODULES_TO_IGNORE_ENV, OVERRIDE_ENV_NAMES
+    from fp8plug.recipe.environment import VARIABLES
 
     match = re.match(r"FP8RecipeKwargs\.(\w+)", message)
     field = match.group(1) if match else None
-    names = {"modules_to_ignore": MODULES_TO_IGNORE_ENV, "override_linear_precision": OVERRIDE_ENV_NAMES}.get(
-        field, ENV_NAMES.get(field, ()))
-    variables = [name for name in names if name and name in environ]
+    variables = [name for name, given in VARIABLES.items() if given == field and name in environ]
     if not variables or any(name in message for name in variables):
         return message
     given = [name for name in variables if repr(environ[name]) in message] or variables
@@ -129,11 +126,7 @@ def fp8_gemm_status(info) -> str:
 
     if not info.fp8_gemm:
         return "none on this device (FP8 GEMMs need CUDA compute capability 8.9+ or a CPU)"
-    speed = fp8_gemm_speed(info.type)
-    if speed.how == "emulated":
-        return (f"{speed.describe()}; a CPU has no FP8 matrix units, so FP8 here checks numerics "
-                "and code paths, not speed")
-    return speed.describe()
+    return fp8_gemm_speed(info.type).describe()
 
 
 def auto_filter_status(backend: str, info, scaling: Optional[str] = None) -> str:

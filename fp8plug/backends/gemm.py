@@ -6,6 +6,11 @@ time). What it computes is simple: both operands dequantised to float32 and one 
 emulation computes exactly that, to the bit (tests/cpu/test_fp8_gemm.py), reading FP8 into float32
 with a few vectorised integer passes (`fp8_to_float`). `fp8_gemm_speed` times FP8 against bf16 in
 milliseconds for `fp8plug env`. Measured: docs/performance.md, "FP8 on a CPU".
+
+What an "x" figure means wherever fp8plug prints one (`fp8plug env`, `fp8plug bench`, the demo) is
+written here once, `speedup`, beside the one sentence that says why a CPU's FP8 times are no speed-up
+(`EMULATION_NOTE`): a CPU's bf16 runs fast or slowly by whether it has bf16 instructions, so the
+ratio of an emulated FP8 time to it says something about the CPU, nothing about FP8.
 """
 
 from __future__ import annotations
@@ -18,6 +23,20 @@ import torch
 
 # shape of the GEMM `fp8_gemm_speed` times: the README demo's largest (tokens x dim x ffn)
 PROBE_SHAPE = (512, 128, 512)
+EMULATION_NOTE = ("FP8 GEMMs are emulated on a CPU (float32 arithmetic on FP8 values; a CPU has no FP8 matrix "
+                  "units), so FP8 here checks numerics and code paths, not speed; these times are no FP8 speed-up")
+
+
+def speedup(baseline: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """How many times faster than `baseline` (bf16's time) something ran in `measured` (same unit):
+    baseline / measured, so bigger is faster and 1 is bf16's speed. The one meaning of the "x"
+    figures fp8plug prints; None where either time is missing or zero."""
+    return baseline / measured if baseline and measured else None
+
+
+def format_speedup(value: Optional[float]) -> str:
+    """A `speedup` as printed: "1.36x", or "-" where there is none."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def emulates(device: torch.device) -> bool:
@@ -101,13 +120,18 @@ class GemmSpeed:
     bf16_ms: float
 
     @property
-    def ratio(self) -> float:
-        return self.fp8_ms / self.bf16_ms
+    def speedup(self) -> Optional[float]:
+        """FP8's speed in bf16's: bf16's time / FP8's (`speedup`)."""
+        return speedup(self.bf16_ms, self.fp8_ms)
 
     def describe(self) -> str:
+        """One line: how FP8 GEMMs run, both times, and FP8's speed-up where FP8 hardware ran it;
+        where they are emulated, the EMULATION_NOTE in its place (no ratio is a speed-up there)."""
         m, k, n = PROBE_SHAPE
-        return (f"{self.how}; a {m}x{k}x{n} GEMM takes {self.fp8_ms:.3g} ms in FP8, "
-                f"{self.bf16_ms:.3g} ms in bf16 ({self.ratio:.2g}x)")
+        times = f"a {m}x{k}x{n} GEMM takes {self.fp8_ms:.3g} ms in FP8, {self.bf16_ms:.3g} ms in bf16"
+        if self.how == "emulated":
+            return f"{self.how}; {times}; {EMULATION_NOTE}"
+        return f"{self.how}; {times} (FP8 at {format_speedup(self.speedup)} bf16's speed)"
 
 
 def fp8_gemm_speed(device=None, repeats: int = 5) -> GemmSpeed:

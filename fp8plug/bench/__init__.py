@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from fp8plug.backends.gemm import emulates
 from fp8plug.bench.cases import (
     BF16,
     CPU_SHAPES,
@@ -56,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     cases = [EngineSpec(BF16)] + [s for s in specs if explicit or s.backend not in unavailable]
     timing = getattr(args, "timing", "queued")
     timer = Timer(device, warmup, repeats, timing)
+    emulated = emulates(device)
     print(f"fp8plug bench on {info.describe()}: Linear forward+backward, bf16 weights and inputs, "
-          f"median of {repeats} after {warmup} warm-up")
+          f"median of {repeats} after {warmup} warm-up" + ("; FP8 GEMMs emulated" if emulated else ""))
     for name, why in unavailable.items():
         print(f"  {name}: not measured: {why}")
     rounds = getattr(args, "rounds", 1)
@@ -76,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     rows = merge_rounds(rows)
     add_speedups(rows)
-    print(format_table(rows))
+    print(format_table(rows, emulated))
     meta = environment(device, info.describe())
     meta.update(warmup=warmup, repeats=repeats, rounds=rounds, modes=modes, shapes=[list(s) for s in shapes],
-                unavailable=unavailable,
+                unavailable=unavailable, fp8_gemms="emulated" if emulated else "FP8 hardware",
                 timing=f"cuda events, {timing}" if device.type == "cuda" else "wall clock")
     if args.json_path:
         write_json(args.json_path, meta, rows)

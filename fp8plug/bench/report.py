@@ -11,6 +11,7 @@ from typing import List
 
 import torch
 
+from fp8plug.backends.gemm import EMULATION_NOTE, format_speedup
 from fp8plug.bench.cases import MODES
 
 CSV_COLUMNS = (
@@ -57,15 +58,15 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec if abs(value) >= 10 else ".3g")
 
 
-def format_table(rows: List[dict]) -> str:
+def format_table(rows: List[dict], emulated: bool = False) -> str:
     """A plain text table: shape, mode, engine, ms, TFLOP/s, speed-up over bf16 of the same mode
-    (and over compiled bf16 when eager rows sit beside compiled ones), note."""
+    (and over compiled bf16 when eager rows sit beside compiled ones), note. `emulated`: the FP8
+    GEMMs were emulated (a CPU), which the ratio columns' headings say, and a line under the table."""
     both = {r["mode"] for r in rows} == set(MODES)
-    header = ("shape (MxKxN)", "mode", "engine", "ms", "TFLOP/s", "vs bf16") + (
-        ("vs bf16 compiled",) if both else ()) + ("note",)
-
-    def ratio(value):
-        return "-" if value is None else f"{value:.2f}x"
+    suffix = " (FP8 emulated)" if emulated else ""
+    header = ("shape (MxKxN)", "mode", "engine", "ms", "TFLOP/s", f"vs bf16{suffix}") + (
+        (f"vs bf16 compiled{suffix}",) if both else ()) + ("note",)
+    ratio = format_speedup
 
     body = [
         (r["shape"], r["mode"], r["engine"], _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"), ratio(r["speedup"]))
@@ -78,6 +79,7 @@ def format_table(rows: List[dict]) -> str:
         cells = [str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
         lines.append("  ".join(cells + [line[-1]]).rstrip())
     lines.insert(1, "-" * len(lines[0]))
+    lines.append("vs bf16: bf16's time / this row's (bigger is faster)." + (f" {EMULATION_NOTE}." if emulated else ""))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fp8plug.backends.gemm import speedup
 from fp8plug.bench.cases import BF16, BenchSkip, EngineSpec, Shape, build_case
 
 TIMINGS = ("queued", "synced")
@@ -151,13 +152,12 @@ def merge_rounds(rows: List[dict]) -> List[dict]:
 
 
 def add_speedups(rows: List[dict]) -> List[dict]:
-    """speedup = bf16 ms / this row's ms, against bf16 at the same shape and mode; and
+    """speedup = bf16 ms / this row's ms (fp8plug.backends.gemm.speedup: bigger is faster), against
+    bf16 at the same shape and mode; and
     vs_bf16_compiled, against compiled bf16 at the same shape (the usual baseline, e.g. for an
     engine that only runs eager)."""
     base = {(r["shape"], r["mode"]): r["ms"] for r in rows if r["engine"] == BF16 and r["ms"]}
     for row in rows:
-        ref = base.get((row["shape"], row["mode"]))
-        row["speedup"] = ref / row["ms"] if ref and row["ms"] else None
-        ref = base.get((row["shape"], "compiled"))
-        row["vs_bf16_compiled"] = ref / row["ms"] if ref and row["ms"] else None
+        row["speedup"] = speedup(base.get((row["shape"], row["mode"])), row["ms"])
+        row["vs_bf16_compiled"] = speedup(base.get((row["shape"], "compiled")), row["ms"])
     return rows

@@ -39,6 +39,12 @@ OVERRIDE_ENV_NAMES = (
     "ACCELERATE_FP8_OVERRIDE_DGRAD",
     "ACCELERATE_FP8_OVERRIDE_WGRAD",
 )
+# every variable a recipe reads -> the field it gives (`fp8plug env` lists them; an error names them)
+VARIABLES = {
+    **{name: field for field, pair in ENV_NAMES.items() for name in pair if name},
+    **dict.fromkeys(MODULES_TO_IGNORE_ENV, "modules_to_ignore"),
+    **dict.fromkeys(OVERRIDE_ENV_NAMES, "override_linear_precision"),
+}
 
 
 def from_environment(name: str, environ, default) -> Tuple[Any, Optional[str]]:

@@ -11,6 +11,7 @@ what each field does.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -23,7 +24,8 @@ except ImportError:  # pragma: no cover - accelerate not installed: the recipe s
 
 from fp8plug.recipe.checks import Integer, OneOf, parse_bool  # noqa: E402
 from fp8plug.recipe.engines import BACKEND_ALIASES, BACKENDS  # noqa: E402,F401  (one row per engine)
-from fp8plug.recipe.environment import from_environment  # noqa: E402
+from fp8plug.recipe.environment import VARIABLES, from_environment  # noqa: E402
+from fp8plug.recipe.launched import replaced_by_launch  # noqa: E402
 from fp8plug.recipe.layer_scaling import check_layer_scaling  # noqa: E402
 from fp8plug.recipe.numerics import NUMERICS_CHECKS, NUMERICS_DEFAULTS  # noqa: E402
 from fp8plug.recipe.scalings import (  # noqa: E402,F401  (AMAX_COMPUTE_ALGOS: for importers of this module)
@@ -193,6 +195,7 @@ class FP8RecipeKwargs(KwargsHandler):
         for name in [n for n in _FIELD_NAMES if n not in given]:
             values[name], sources[name] = from_environment(name, os.environ, DEFAULTS.get(name))
         self._settle(values, given, sources)
+        check_replaced_by_launch(sources)
 
     def __setattr__(self, name, value):
         """A field assigned after construction is checked as at construction, before it is stored,
@@ -211,6 +214,8 @@ class FP8RecipeKwargs(KwargsHandler):
             given = given | {name}
         values[name] = value
         self._settle(values, given, sources)
+        if name not in given:
+            check_replaced_by_launch([name])
 
     def _settle(self, values: Dict[str, Any], given, sources: Dict[str, Optional[str]]) -> None:
         """Check every field of `values` (raising before anything is stored), then store them
@@ -340,18 +345,34 @@ def _override(value, label: str) -> Tuple[bool, bool, bool]:
     return tuple(value)
 
 
-# The fields whose errors name the field only, not the environment variable a bad value came from.
-_LABELS_WITHOUT_VARIABLE = frozenset({
-    "backend", "use_autocast_during_eval", "opt_level", "fp8_format", "amax_compute_algo",
-    "enable_fsdp_float8_all_gather", "pad_inner_dim", "auto_filter", "optimizer_states",
-})
-
-
 def _label(name: str, source: Optional[str]) -> str:
-    """How an error names field `name`, read from variable `source` (None: an argument or the default)."""
-    if source is None or name in _LABELS_WITHOUT_VARIABLE:
-        return f"FP8RecipeKwargs.{name}"
-    return f"FP8RecipeKwargs.{name} (from {source})"
+    """How an error names field `name`, read from variable `source` (None: an argument or the
+    default): the field, and the variable where the value came from the environment."""
+    return f"FP8RecipeKwargs.{name}" if source is None else f"FP8RecipeKwargs.{name} (from {source})"
+
+
+def check_replaced_by_launch(names) -> None:
+    """Check the settings of fields `names` (those read from the environment) that `accelerate
+    launch` replaced in this process (fp8plug.recipe.launched) as if they had reached it: a bad one
+    is a ValueError naming the variable, as the recipe would have raised; a good one that differs
+    from what the launch set is a warning, since the run goes on with the launch's."""
+    fields = set(names)
+    variables = [name for name, field_name in VARIABLES.items() if field_name in fields]
+    for variable, (exported, used) in replaced_by_launch(variables).items():
+        name = VARIABLES[variable]
+        check = _CHECKS[name]
+        label = _label(name, f"{variable}, in the environment `accelerate launch` ran in")
+        try:
+            wanted = check(from_environment(name, {variable: exported}, DEFAULTS.get(name))[0], label)
+        except ValueError as exc:
+            raise ValueError(f"{exc} The launch replaced it with {used!r} (from its flags, its config file's "
+                             "fp8_config, or its defaults); unset it, or give the setting to the launch.") from None
+        launched = from_environment(name, {variable: used}, DEFAULTS.get(name))[0]
+        if wanted != check(launched, _label(name, variable)):
+            warnings.warn(f"{variable}={exported!r}, exported where `accelerate launch` ran, was replaced by the "
+                          f"launch with {used!r} (from its flags, its config file's fp8_config, or its defaults), "
+                          f"which FP8RecipeKwargs.{name} reads; give the setting to the launch instead.",
+                          stacklevel=4)
 
 
 # Each field's check: (value, label) -> its canonical value, or a ValueError starting with the label.

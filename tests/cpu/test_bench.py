@@ -152,8 +152,18 @@ def test_bench_smoke_eager_json_csv_and_table(tmp_path, capsys):
             assert float(c["ms"]) == pytest.approx(r["ms"]) and float(c["speedup"]) == pytest.approx(r["speedup"])
         else:
             assert c["ms"] == "" and c["error"] == r["error"]
-    # the table
-    assert "vs bf16" in out and "TFLOP/s" in out and "native:delayed" in out and "unavailable:" in out
+    # the table: on a CPU the ratios are labelled as emulation, never as an FP8 speed-up
+    assert "vs bf16 (FP8 emulated)" in out and "TFLOP/s" in out and "native:delayed" in out and "unavailable:" in out
+    assert "FP8 GEMMs emulated" in out.splitlines()[0] and data["meta"]["fp8_gemms"] == "emulated"
+    assert "bf16's time / this row's (bigger is faster)" in out and "no FP8 speed-up" in out
+
+
+def test_table_ratio_is_a_speed_up_and_says_so_where_fp8_hardware_ran():
+    rows = [dict(shape="16x16x16", mode="eager", engine=engine, ms=ms, tflops=1.0, error=None)
+            for engine, ms in (("bf16", 3.0), ("native:dynamic", 2.0))]
+    table = bench.format_table(bench.add_speedups(rows))
+    assert "1.50x" in table  # bf16's 3 ms / FP8's 2 ms: bigger is faster
+    assert "emulated" not in table and "(bigger is faster)" in table
 
 
 def test_rounds_report_each_case_once_at_the_median_of_its_rounds(tmp_path, capsys):

@@ -5,6 +5,8 @@ docs/performance.md "FP8 on a CPU"), and must not change a single result: every 
 for bit against torch's kernel, which is what fp8plug ran on the CPU before.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -123,6 +125,18 @@ def test_speed_probe_says_how_fp8_runs():
     assert "512x128x512" in speed.describe() and "emulated" in speed.describe()
 
 
+def test_speed_probe_says_a_speed_up_only_where_fp8_hardware_ran():
+    """An "x" is bf16's time / FP8's (bigger is faster); an emulated FP8 time gets no ratio, since
+    it says how the CPU runs bf16, not what FP8 gains."""
+    hardware = fp8_gemm.GemmSpeed("FP8 hardware", fp8_ms=0.5, bf16_ms=1.0)
+    assert hardware.speedup == 2.0 and "(FP8 at 2.00x bf16's speed)" in hardware.describe()
+    emulated = fp8_gemm.GemmSpeed("emulated", fp8_ms=0.5, bf16_ms=8.0).describe()
+    assert not re.search(r"\dx\b", emulated) and fp8_gemm.EMULATION_NOTE in emulated
+    assert fp8_gemm.speedup(3.0, 1.5) == 2.0 and fp8_gemm.speedup(None, 1.0) is None
+    assert fp8_gemm.format_speedup(1.234) == "1.23x" and fp8_gemm.format_speedup(None) == "-"
+
+
+@pytest.mark.slow  # two compiled trainings: about 15 s
 def test_compiled_training_matches_torch_kernel(monkeypatch):
     """Under torch.compile the emulation must give the gradients torch's kernel gives (torch
     2.11's inductor turned the bit views of fp8_to_float into zeros when fused after the cast)."""

@@ -52,6 +52,17 @@ def test_one_cpu_process_from_config_file(tmp_path):
     assert result["weights"]["sha256"] != result["initial_weights"]["sha256"]
 
 
+def test_bad_setting_exported_before_a_config_launch_fails_naming_it(tmp_path, monkeypatch):
+    """The launch replaces ACCELERATE_FP8_FORMAT with its config file's value in the process it
+    starts; the value exported before it is still checked there, not silently dropped."""
+    monkeypatch.setenv("ACCELERATE_FP8_FORMAT", "bogus")  # child_env copies this process's environment
+    code, results, output = launch(tmp_path, ["--config_file", str(CONFIGS / "cpu_fp8.yaml")], ["--steps", "2"])
+    assert code != 0 and results == {}, output[-3000:]  # 0 and a trained model before
+    assert ("ValueError: FP8RecipeKwargs.fp8_format (from ACCELERATE_FP8_FORMAT, in the environment `accelerate "
+            "launch` ran in): 'bogus' is not allowed; use one of HYBRID, E4M3. The launch replaced it with 'HYBRID'"
+            in output), output[-3000:]
+
+
 def test_two_cpu_processes_ddp_over_gloo_end_identical(tmp_path):
     code, results, output = launch(tmp_path, ["--config_file", str(CONFIGS / "cpu_ddp_fp8.yaml")], ["--steps", "4"])
     assert code == 0, output[-3000:]

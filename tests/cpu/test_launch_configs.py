@@ -119,5 +119,5 @@ def test_engine_key_is_read_and_old_backend_key_still_is():
     with mock.patch.dict(os.environ, {"ACCELERATE_FP8_ENGINE": "ao"}):
         assert FP8RecipeKwargs(backend="native").backend == "native"  # the script's argument wins
     with mock.patch.dict(os.environ, {"ACCELERATE_FP8_ENGINE": "tpu"}):
-        with pytest.raises(ValueError, match="FP8RecipeKwargs.backend: unknown backend 'tpu'"):
+        with pytest.raises(ValueError, match=r"backend \(from ACCELERATE_FP8_ENGINE\): unknown backend 'tpu'"):
             FP8RecipeKwargs()

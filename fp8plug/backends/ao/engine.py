@@ -386,7 +386,8 @@ def _is_mx_linear(module: nn.Module) -> bool:
         return False
     from torchao.prototype.moe_training.tensor import TrainingWeightWrapperBaseTensor
 
-    return isinstance(module.weight, TrainingWeightWrapperBaseTensor)
+    # getattr: a Linear whose weight was deleted is refused by name later (layers.rules), not here
+    return isinstance(getattr(module, "weight", None), TrainingWeightWrapperBaseTensor)
 
 
 def _gathers_in_float8(module: nn.Module) -> bool:
