@@ -67,12 +67,13 @@ def describe_engine(engine, plan=None) -> str:
 
 def log_conversion(report, engine_text: str, subject: str = "model") -> Optional[str]:
     """Log the conversion's one-line summary under the `fp8plug` logger, on the main process only:
-    INFO when some Linear runs in FP8, WARNING when none does (the model then trains in high
-    precision although FP8 was asked for). The full report goes to DEBUG. Returns the line."""
+    INFO when some GEMM runs in FP8 (a Linear's or MoE experts'), WARNING when none does (the model
+    then trains in high precision although FP8 was asked for). The full report goes to DEBUG.
+    Returns the line."""
     if not is_main_process():
         return None
     line = f"fp8plug: FP8 with {engine_text}: {report.summary(subject)}"
-    if report.fp8_linears:
+    if report.fp8_linears or report.fp8_experts:
         logger.info(line)
     else:
         line += "; it trains in high precision although FP8 was asked for"

@@ -84,6 +84,12 @@ class ConversionReport:
         ]
 
     @property
+    def fp8_experts(self) -> List[str]:
+        """The MoE experts modules whose grouped GEMMs run in FP8."""
+        experts = set(self.experts)
+        return [f for f in self.converted if f in experts]
+
+    @property
     def high_precision_linears(self) -> Dict[str, str]:
         """The Linear layers left in high precision: fqn -> why."""
         linears = set(self.linears)

@@ -167,7 +167,11 @@ def test_at_the_mixtral_shape_compiled_experts_train_like_eager_ones():
     """One Mixtral-shaped layer (hidden 4096, 8 experts of 14336, top-2; 4096 tokens a step), bf16
     weights as MoE fine-tuning keeps them: the first step's expert-weight gradients, eager and
     compiled, each against the bf16 model's (transformers' grouped_mm), then five more steps of
-    each run from the same start: the compiled run's losses follow the eager run's."""
+    each run from the same start: the compiled run's losses follow the eager run's. The attention
+    projections stay in bf16 here so that every token is routed as in bf16: with them in FP8 their
+    rounding flips near-tied top-2 choices, and the expert gradients part from bf16's by the tokens
+    routed elsewhere (12.6 dB in the CPU emulation at hidden 512, 23.7 dB with attention in bf16),
+    which says nothing about the experts' own FP8."""
     import transformers
 
     config = transformers.MixtralConfig(vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
@@ -184,26 +188,28 @@ def test_at_the_mixtral_shape_compiled_experts_train_like_eager_ones():
     experts = [n for n, _ in reference.named_parameters() if ".experts." in n]
     bf16 = {n: p.grad.float() for n, p in reference.named_parameters() if n in experts}
     del reference
+    attention = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]
     runs = {}
     for compiled in (False, True):
-        model, losses, first = _train_with_first_grads(copy.deepcopy(start), 6, compiled, ids, experts)
+        model, losses, first = _train_with_first_grads(copy.deepcopy(start), 6, compiled, ids, experts, attention)
         runs[compiled] = (losses, first)
         del model
     (eager_losses, eager), (compiled_losses, compiled) = runs[False], runs[True]
     for n in experts:
-        assert sqnr_db(eager[n], bf16[n]) > 20, n  # FP8 noise against bf16, at this shape
+        assert sqnr_db(eager[n], bf16[n]) > 20, n  # the experts' FP8 noise against bf16, at this shape
         assert sqnr_db(compiled[n], bf16[n]) > sqnr_db(eager[n], bf16[n]) - 3, n
     assert eager_losses[-1] < eager_losses[0] - 0.5, eager_losses
     for a, b in zip(eager_losses, compiled_losses):
         assert abs(a - b) < 0.02 * abs(a), (eager_losses, compiled_losses)
 
 
-def _train_with_first_grads(model, steps, compiled, ids, names):
-    """`steps` AdamW steps of `model` through fp8plug.Accelerator (native engine), compiled or not;
-    the model, its losses and the first step's gradients of `names` (float32)."""
+def _train_with_first_grads(model, steps, compiled, ids, names, keep):
+    """`steps` AdamW steps of `model` through fp8plug.Accelerator (native engine, `keep` in high
+    precision), compiled or not; the model, its losses and the first step's gradients of `names`
+    (float32)."""
     fresh()
-    accelerator = fp8plug.Accelerator(mixed_precision="fp8",
-                                      kwargs_handlers=[FP8RecipeKwargs(backend="native", auto_filter=False)])
+    recipe = FP8RecipeKwargs(backend="native", auto_filter=False, modules_to_ignore=keep)
+    accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     reports = accelerator.fp8_reports
