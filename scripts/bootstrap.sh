@@ -19,7 +19,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 # (re)install when anything is missing or `fp8plug` resolves to another checkout
 here=$(pwd)
-if ! (cd / && "$PY" -c "import os, sys, fp8plug, pytest, ruff, torchao, transformers, deepspeed, peft, trl; sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(fp8plug.__file__))) != os.path.realpath(sys.argv[1]))" "$here") >/dev/null 2>&1; then
+if ! (cd / && "$PY" -c "import os, sys, fp8plug, pytest, xdist, ruff, torchao, transformers, deepspeed, peft, trl; sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(fp8plug.__file__))) != os.path.realpath(sys.argv[1]))" "$here") >/dev/null 2>&1; then
   # torch is already present, so nothing below can pull another torch build.
   "$PY" -m pip install -q -e ".[test]"
 fi

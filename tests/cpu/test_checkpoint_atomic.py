@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fp8plug.checkpoints.directory import IncompleteCheckpointError
@@ -56,6 +57,7 @@ def keeps_user_files(result, files, name):
         assert (result / relative).is_file() and (result / relative).read_text() == text, (name, relative)
 
 
+@pytest.mark.slow  # a process killed at each write of a save: about 15-25 s
 def test_save_killed_at_any_write_resumes_whole_or_is_refused(tmp_path):
     summary, found = outcomes(tmp_path, auto=False)
     assert len(summary["kills"]) >= 10  # every write of the save was a kill point

@@ -12,6 +12,7 @@ import torch
 from benchmarks.diagnose.checkpoint_saved import extra, run
 from tests.support.threads import one_thread  # noqa: F401 - autouse: one torch thread
 
+pytestmark = pytest.mark.slow  # five compiled forward+backward graphs, about 10-40 s each
 OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 FUNCTION_GEMMS = pytest.mark.xfail(OLD_TORCH, strict=True, reason=(
     "torch < 2.13 does not tag ops inside an autograd.Function for checkpoint recomputation; the per-tensor "

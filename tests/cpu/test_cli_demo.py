@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.threads import one_thread  # noqa: F401 - autouse: the demo's tiny model on one torch thread
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -143,6 +143,7 @@ def test_deep_copy_of_a_wrapped_model_runs_its_own_forward():
     assert model.layers[0].q.fp8_amax_recorded.tolist() == [-1, -1, -1]
 
 
+@pytest.mark.slow  # torch.compile with fullgraph: about 25 s on 2 cores
 def test_autowrapped_model_compiles_fullgraph():
     model = decoder()
     fp8plug.convert_model(model, recipe=native())

@@ -239,7 +239,8 @@ def fp8plug_command(tmp_path, *args, **env):
 def test_launch_returns_the_scripts_exit_status(tmp_path, processes):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nprint('ran')\nsys.exit(3)\n")
-    proc = fp8plug_command(tmp_path, "launch", "--cpu", "--num_processes", str(processes), str(script))
+    proc = fp8plug_command(tmp_path, "launch", "--cpu", "--num_processes", str(processes), "--main_process_port", "0",
+                           str(script))  # a free port: another test may be launching at the same time
     assert proc.returncode == 3, proc.stderr[-3000:]  # 1 before, whatever the script's status
     assert "ran" in proc.stdout  # (with two, torchrun may stop the other rank before it prints)
     assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr

@@ -29,6 +29,7 @@ deepspeed_config:
 """
 
 
+@pytest.mark.slow  # three ZeRO stages, each trained, saved and resumed: about 45 s
 def test_zero_1_2_3_native_fp8_tracks_bf16_syncs_once_per_step_and_resumes_exactly(tmp_path):
     config = tmp_path / "launch.yaml"
     config.write_text(LAUNCH)

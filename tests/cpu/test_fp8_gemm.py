@@ -136,6 +136,7 @@ def test_speed_probe_says_a_speed_up_only_where_fp8_hardware_ran():
     assert fp8_gemm.format_speedup(1.234) == "1.23x" and fp8_gemm.format_speedup(None) == "-"
 
 
+@pytest.mark.slow  # two compiled trainings: about 15 s
 def test_compiled_training_matches_torch_kernel(monkeypatch):
     """Under torch.compile the emulation must give the gradients torch's kernel gives (torch
     2.11's inductor turned the bit views of fp8_to_float into zeros when fused after the cast)."""

@@ -21,6 +21,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import hf_llama  # noqa: E402
 
 STEPS = 10
+pytestmark = pytest.mark.slow  # the module's run: five rows, each in its own process, about 40-75 s
 LOSS_TOLERANCE_PCT = 2.0  # FP8 vs bf16 loss after STEPS steps (measured: within 0.25% at toy size)
 
 
@@ -96,7 +97,6 @@ def test_a_row_that_cannot_run_says_why(toy_run):
     assert "1.00x" in lines["bf16-eager"]
 
 
-@pytest.mark.slow
 def test_trainer_rows_train_like_the_accelerator_rows(toy_run, tmp_path):
     """The `Trainer(torch_compile=True)` rows: transformers.Trainer in bf16, and the same
     Trainer with fp8plug's FP8TrainerMixin on the native engine, each in its own process. bf16

@@ -25,6 +25,7 @@ from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_f
 from fp8plug.layers.rules import ADAPTER  # noqa: E402
 from tests.support.hf import VOCAB, fresh, tiny_llama  # noqa: E402
 from tests.support.numerics import sqnr_db  # noqa: E402
+from tests.support.threads import one_thread  # noqa: E402,F401 - autouse: tiny models on one torch thread
 
 RECIPE = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
 

@@ -18,6 +18,7 @@ from tests.support import moe_distributed_worker as worker
 from tests.support.processes import child_env
 
 STEPS = 3
+pytestmark = pytest.mark.slow  # the module's launch: two processes, about 30 s
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,7 @@ def without_eager_stance(monkeypatch):
     monkeypatch.setattr(watch_module, "eager_stance", lambda: None)
 
 
+@pytest.mark.slow  # four compiled graphs: about 10-15 s each
 @pytest.mark.parametrize("eager_watch", [True, False])
 def test_compiled_watch_keeps_the_ordinary_steps_graph(monkeypatch, eager_watch):
     if not eager_watch:
