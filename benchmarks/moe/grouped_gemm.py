@@ -152,10 +152,15 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
 
 
 def _one_grad(fn, x, w, offs, g, wrt: str):
-    """forward + the backward of one gradient (`wrt` "x": the input gradient's GEMM; "w": the weight's)."""
+    """forward + the backward of one gradient (`wrt` "x": the input gradient's GEMM; "w": the weight's).
+    Only that input requires a gradient: an autograd.Function (the FP8 path) reads which of its
+    inputs require one, not which gradient autograd.grad asks for, and would make both."""
+    xs = x.detach().requires_grad_(wrt == "x")
+    ws = w.detach().requires_grad_(wrt == "w")
+
     def run():
-        y = fn(x, w, offs)
-        torch.autograd.grad(y, x if wrt == "x" else w, g)
+        y = fn(xs, ws, offs)
+        torch.autograd.grad(y, xs if wrt == "x" else ws, g)
     return run
 
 

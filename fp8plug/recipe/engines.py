@@ -91,6 +91,9 @@ MEASURED_ON = ("H100, transformers LlamaForCausalLM 4x4096, compiled = whole-mod
 # filter's 15% margin (roofline.AUTO_MIN_SPEEDUP) absorbs the rest.
 H200_CALIBRATION = ("calibrated on one H200 (torch 2.11, TE 2.20.2, torchao 0.18), fp8plug bench --shapes sweep, "
                     "queued timing, 20 shapes; rms relative error {err}; docs/results/h200/bench_sweep_queued*.json")
+GRANULAR_CALIBRATION = ("calibrated on one H200 (torch 2.11, Triton 3.6), fp8plug bench --modes compiled, queued "
+                        "timing, 7 shapes from 2048x1024x1024 to 16384x8192x8192; rms relative error {err}; "
+                        "docs/results/h200x4/2026-11-28/bench_granular.json")
 SM90 = (9, 0)  # the compute capability of H100 and H200
 
 ENGINES: Dict[str, EngineRow] = {row.name: row for row in (
@@ -129,6 +132,14 @@ ENGINES: Dict[str, EngineRow] = {row.name: row for row in (
         # run with no filter at all on sm_90 (Qwen3-MoE's experts, predicted 0.70x, run FP8 at 0.66x
         # bf16)
         costs_also=("dynamic",),
+        # the finer scalings' own constants (their per-row and per-tile casts, rowwise and blockwise
+        # GEMMs), fitted with the same bf16 to one Linear's compiled forward + backward at 7 shapes
+        scaling_costs={
+            "rowwise": {SM90: Costs(peak_tflops=1583.9, bandwidth_gbs=1643.4, overhead_us=141.3,
+                                    note=GRANULAR_CALIBRATION.format(err="5.7%"))},
+            "blockwise": {SM90: Costs(peak_tflops=1380.3, bandwidth_gbs=1275.6, overhead_us=92.3,
+                                      note=GRANULAR_CALIBRATION.format(err="5.9%"))},
+        },
     ),
 )}
 

@@ -322,3 +322,26 @@ def test_convert_model_filters_on_sm90_only_when_the_recipe_asks(monkeypatch, ca
     monkeypatch.setattr(api, "select_for", real)
     report = fp8plug.convert_model(_small_and_big(), recipe=FP8RecipeKwargs(backend="native"))  # the CPU
     assert report.converted == ["0", "1"]
+
+
+def test_the_finer_scalings_have_their_own_constants_that_rank_their_measurements():
+    """native rowwise and blockwise carry constants of their own (engines.py scaling_costs), fitted
+    on an H200 with the shipped bf16: within 15% of each measured speed-up of that run, and the
+    filter then keeps the 162M real-text Llama's 768-wide Linears in bf16 (every one measured
+    below 0.4x there) while converting the benchmark Llama's MLP."""
+    import json
+    from pathlib import Path
+
+    record = Path(__file__).resolve().parents[2] / "docs" / "results" / "h200x4" / "2026-11-28" / "bench_granular.json"
+    rows = [r for r in json.loads(record.read_text())["rows"] if r["engine"] in ("native:rowwise", "native:blockwise")]
+    assert len(rows) == 14
+    for row in rows:
+        predicted = predicted_speedup(row["M"], row["K"], row["N"], "native", scaling=row["scaling"])
+        assert _close(predicted, row["speedup"], 0.15), (row["shape"], row["engine"], predicted, row["speedup"])
+    for word in ("rowwise", "blockwise"):
+        speed_filter = auto_filter(FP8RecipeKwargs(backend="native", scaling=word), "native", H100)
+        assert speed_filter is not None
+        assert not any(speed_filter(_linear(k, n), f"{k}x{n}") for k, n in ((768, 768), (768, 3072), (3072, 768)))
+        assert speed_filter(_linear(4096, 14336), "up") and speed_filter(_linear(14336, 4096), "down")
+        assert "auto_filter: native FP8 predicted" in speed_filter.skip_reason("768x768")
+    assert auto_filter(FP8RecipeKwargs(backend="native", scaling="rowwise_with_gw_hp"), "native", H100) is None
