@@ -72,7 +72,8 @@ def test_env_says_whether_the_speed_filter_acts(monkeypatch):
     assert auto_filter_status("native", h100).startswith("on: Linears predicted below 0.85x")
     # at the scaling the automatic choice runs native with, as the Accelerator does
     assert auto_filter_status("native", h100, "dynamic").startswith("on:")
-    assert auto_filter_status("native", h100, "rowwise").startswith("off")
+    assert auto_filter_status("native", h100, "rowwise").startswith("on:")  # its own constants
+    assert auto_filter_status("native", h100, "rowwise_with_gw_hp").startswith("off")  # none measured
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "false")
     assert auto_filter_status("native", h100).startswith("off")
     monkeypatch.setenv("FP8PLUG_AUTO_FILTER", "true")
