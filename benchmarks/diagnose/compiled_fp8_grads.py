@@ -99,7 +99,7 @@ def compare_casts(eager, compiled) -> dict:
 
 
 def run_casts(args, device) -> dict:
-    from fp8plug.backends.native import granular, grouped, grouped_cast
+    from fp8plug.backends.native import granular, grouped
     from fp8plug.backends.native.cast import cast_operand
 
     m, k, n = args.m, args.k, args.n
@@ -147,16 +147,15 @@ def run_casts(args, device) -> dict:
             eager = fn(*inputs)
             return compare_casts(eager, torch.compile(fn, fullgraph=True)(*inputs))
         guarded(out, name, one)
-    if device.type == "cuda":  # the eager fused casts (grouped_cast) against the torch ops
+    if device.type == "cuda":  # the fused casts (grouped_cast, transposed_cast) against the torch ops
         padded = grouped.pad_groups(grads, layout)
-        guarded(out, "grouped_cast fused vs torch ops: tokens",
-                lambda: compare_casts(grouped.rowwise(padded), grouped_cast.tokens(padded)))
-        guarded(out, "grouped_cast fused vs torch ops: weight_grad_operand",
+        guarded(out, "fused vs torch ops: tokens",
+                lambda: compare_casts(grouped.rowwise(padded), grouped.cast_tokens(grads, layout)))
+        guarded(out, "fused vs torch ops: weight_grad_operand",
                 lambda: compare_casts(grouped.groupwise_columns(padded, layout),
-                                      grouped_cast.weight_grad_operand(padded, layout.group, layout.experts)))
-        guarded(out, "grouped_cast fused vs torch ops: weight_input_grad",
-                lambda: compare_casts(grouped.rowwise(we.transpose(-2, -1)),
-                                      grouped_cast.weight_input_grad(we.transpose(-2, -1))))
+                                      grouped.cast_weight_grad_operand(grads, layout)))
+        guarded(out, "fused vs torch ops: weight_input_grad",
+                lambda: compare_casts(grouped.rowwise(we.transpose(-2, -1)), grouped.cast_weight_input_grad(we)))
     return out
 
 

@@ -2,8 +2,9 @@
 run eagerly on CUDA) give the same bytes as grouped.py's torch-op casts (the CPU emulation and
 the compiled-model path): compiled here on the CPU by inductor, whose divisions are correctly
 rounded as Triton's are not, which the float64 divisions make moot. Shapes a Mixtral-like
-experts module casts (3-D weights and their transposed views, padded token groups, an empty
-group), rows holding zeros, NaN and inf (NaN the same, whatever its sign bit)."""
+experts module casts (3-D weights and their transposed views), rows holding zeros, NaN and inf
+(NaN the same, whatever its sign bit). The token and weight-gradient casts are Triton kernels on
+CUDA only (tests/gpu/test_transposed_cast.py)."""
 
 import torch
 
@@ -42,21 +43,6 @@ def test_weight_casts_both_directions_are_bit_identical():
     w = _weight()  # float32 master weights (bf16 ones: tests/gpu/test_moe_casts.py; one compile is seconds here)
     _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
     _same(grouped_cast.weight_input_grad(w.transpose(-2, -1)), grouped.rowwise(w.transpose(-2, -1)))
-
-
-def test_token_and_weight_gradient_casts_are_bit_identical():
-    torch.manual_seed(1)
-    # two token counts and widths (the up and down projections' operands): the second compiles
-    # the casts again with the sizes symbolic, as a batch of another length does
-    for sizes, width in ((SIZES, 64), ([40, 3, 0, 16, 9], 32)):
-        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-        layout = grouped.group_layout(offs, sum(sizes))
-        x = torch.randn(sum(sizes), width) * 30
-        x[7, 3] = float("nan")
-        padded = grouped.pad_groups(x, layout)
-        _same(grouped_cast.tokens(padded), grouped.rowwise(padded))
-        _same(grouped_cast.weight_grad_operand(padded, layout.group, layout.experts),
-              grouped.groupwise_columns(padded, layout))
 
 
 def test_eager_cuda_only_and_never_inside_torch_compile():

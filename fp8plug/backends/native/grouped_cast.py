@@ -1,13 +1,15 @@
-"""The grouped FP8 GEMM's rowwise casts, fused, for eager training on a GPU.
+"""The grouped FP8 GEMM's weight casts along a contiguous dimension, fused, on a GPU.
 
 Why: eagerly, each cast in backends/native/grouped.py (amax per row or per group and column, the
 scale, the scaled tensor, the FP8 copy, the scale's reciprocal) is five to seven torch launches,
 each reading or writing the whole tensor in float32. For a Mixtral-sized experts module that is
 the 3-D weight (940M elements for gate_up) read and written several times a step in each
 direction, which cost more than FP8's GEMMs saved (docs/moe.md: 0.1-0.4x bf16 eagerly). Here each
-cast is one torch.compile'd function (fullgraph, static shapes): the compiler makes one kernel of
-the reduction and the cast where the reduced dimension is a row (the forward's weight, the token
-rows), and reads the tensor at most twice otherwise.
+such cast is one torch.compile'd function (fullgraph, static shapes): the compiler makes one
+kernel of the reduction and the cast, the reduced dimension being the weight's rows. The casts
+along a strided dimension and the token casts, which read through the padded layout, are
+backends.native.transposed_cast's Triton kernels, whose scales come from `scale_of` and
+`reciprocal` below.
 
 Bit for bit the casts of grouped.py, on every backend: the maximum, the clamp, the product and the
 float8 conversion are exact operations; Triton's float32 division is not (inductor writes it as
@@ -19,14 +21,12 @@ precision is rounded once). tests/cpu/test_moe_casts.py checks the fused casts a
 When: on CUDA wherever the casts run outside a trace (`usable`): eagerly, and inside the grouped
 operator a compiled model calls (grouped.py; backends/native/compiled_ops.py says why the
 compiled experts are an operator); on a CPU (the emulation) the torch ops run, as they are the
-reference. The weight casts are compiled once per shape (static), the token casts once, with
-the token count symbolic; one function per role below, so each keeps its own entries
-in dynamo's cache.
+reference. The weight casts are compiled once per shape (static); one function per role below,
+so each keeps its own entries in dynamo's cache.
 
 The forward's weight cast (rowwise along K) and the input gradient's (along N) are made when each
-is needed, each one compiled function over the weight (one kernel for the forward's, whose rows
-are contiguous): making both from one read in the forward would keep an FP8 copy of every expert
-weight alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for 32 layers).
+is needed: making both from one read in the forward would keep an FP8 copy of every expert weight
+alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for 32 layers).
 """
 
 from __future__ import annotations
@@ -65,43 +65,14 @@ def _rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return data, reciprocal(scale).squeeze(-1).contiguous()
 
 
-def _groupwise_columns(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """grouped.groupwise_columns's cast, the layout given as its `group` (of each padded row)."""
-    rows, columns = t.shape
-    blocks = torch.linalg.vector_norm(t.view(rows // GROUP_ALIGNMENT, GROUP_ALIGNMENT, columns), ord=float("inf"),
-                                      dim=1, dtype=torch.float32)
-    index = group[::GROUP_ALIGNMENT, None].expand(-1, columns)
-    amax = blocks.new_zeros(experts, columns).scatter_reduce_(0, index, blocks, "amax")
-    scale = scale_of(amax)
-    data = (t * scale.index_select(0, group)).to(E4M3)
-    return data.t().contiguous(), reciprocal(scale).reshape(-1).contiguous()
-
-
 # One function per role: dynamo keeps a cache of compiled shapes per function (8 by default), and
-# a step casts eight differently shaped or strided operands.
+# a step casts differently shaped or strided weights.
 def _weight_forward(t):
     return _rowwise(t)
 
 
 def _weight_input_grad(t):
     return _rowwise(t)
-
-
-def _tokens(t):
-    return _rowwise(t)
-
-
-def _weight_grad_operand(t, group, experts):
-    return _groupwise_columns(t, group, experts)
-
-
-# The token operands' row count follows the routing (each expert's group is padded), so it changes
-# every step: compiled with that dimension symbolic from the start, once (not per count: seconds
-# each, and past dynamo's cache limit an error). Dynamo's automatic dynamic shapes (static first,
-# symbolic at the second count) sufficed eagerly, but not where these run inside the grouped
-# operator of a compiled model (grouped.py): there a compiled tiny Mixtral passed dynamo's 8
-# recompiles of `_tokens` on an H200. The weights' shapes never change: static.
-_TOKEN_ROLES = (_tokens, _weight_grad_operand)
 
 
 _COMPILED: Dict[Callable, Callable] = {}
@@ -111,9 +82,8 @@ def compiled(function: Callable) -> Callable:
     """`function` compiled (fullgraph), once per process; nothing is compiled before the first
     cast that needs it."""
     done = _COMPILED.get(function)
-    if done is None:
-        dynamic = function in _TOKEN_ROLES
-        done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=dynamic)
+    if done is None:  # a weight's shape never changes: static
+        done = _COMPILED[function] = torch.compile(function, fullgraph=True, dynamic=False)
     return done
 
 
@@ -164,19 +134,9 @@ def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def weight_input_grad(w_kn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The input gradient's weight, [E, K, N] (a transposed view of [E, N, K]), cast along N,
-    written contiguous."""
+    """The input gradient's weight [E, K, N] cast along N, written contiguous: weights stored that
+    way (GPT-OSS's); those stored [E, N, K] take transposed_cast's kernels (grouped.py)."""
     return _run(_weight_input_grad, w_kn)
 
 
-def tokens(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A padded token operand [P, C] (input or output gradient) cast per row."""
-    return _run(_tokens, t)
-
-
-def weight_grad_operand(t: torch.Tensor, group: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """An operand of the weight gradient, per group and column, transposed."""
-    return _run(_weight_grad_operand, t, group, experts)
-
-
-__all__ = ["tokens", "usable", "weight_forward", "weight_grad_operand", "weight_input_grad"]
+__all__ = ["reciprocal", "scale_of", "usable", "weight_forward", "weight_input_grad"]
