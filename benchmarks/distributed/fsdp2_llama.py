@@ -1,5 +1,5 @@
 """Llama-3-8B trained with FSDP2 through Accelerate on several GPUs: bf16, Accelerate's own FP8 and
-fp8plug, side by side (issue 42, item 1).
+fp8plug, side by side.
 
 The model: transformers' `LlamaForCausalLM` of Llama-3-8B's shape (32 layers, hidden 4096, ffn
 14336, 32/8 heads, vocab 128256, rope theta 500000; `--layers` etc. shrink it), built from a config

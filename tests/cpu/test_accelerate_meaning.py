@@ -1,4 +1,4 @@
-"""Accelerate's meaning kept (issue 44, item 3): `convert_model(model)` called as Accelerate's API
+"""Accelerate's meaning kept: `convert_model(model)` called as Accelerate's API
 converts to TransformerEngine where TE runs, while the speed-ranked automatic choice stays the
 Accelerator's default and is `backend="auto"` away; where TE does not run, the automatic choice
 converts and the reason is logged. An Accelerate script with its import line swapped for

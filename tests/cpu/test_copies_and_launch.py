@@ -1,4 +1,4 @@
-"""Copies of converted models, models converted before prepare, free_memory (issue 40).
+"""Copies of converted models, models converted before prepare, free_memory.
 
 - A copy of a converted model (copy.deepcopy, torch.save/torch.load of the whole model) trained
   with its own optimizer gets the end-of-step update of delayed scaling as the original does.

@@ -1,4 +1,4 @@
-"""A first contact with fp8plug is quiet and quick (issue 44, item 4): the README's demo prints no
+"""A first contact with fp8plug is quiet and quick: the README's demo prints no
 third-party noise, the CLI names an argument it does not know and shows the right usage, and
 `fp8plug --help` answers without importing torch."""
 

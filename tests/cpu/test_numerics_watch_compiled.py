@@ -1,4 +1,4 @@
-"""The numerics watch in a model compiled after prepare (issue #41): watch steps must not cost
+"""The numerics watch in a model compiled after prepare: watch steps must not cost
 the ordinary steps their compiled graph. A model of nested blocks is compiled with a counting
 backend over aot_eager; the watch runs every other step. A watch step runs eagerly (torch's
 eager_on_recompile stance: no compile for it at all) or, where that stance cannot be set, compiles one
