@@ -1,7 +1,7 @@
 """Mixture-of-experts models in FP8 (docs/moe.md): a transformers MoE block's experts run their
 grouped GEMMs through the engine's grouped FP8 GEMM (fp8plug.hf.experts, native's
-backends/native/grouped.py), checked against a float reference, on every architecture named in
-docs/moe.md lists, built from a tiny config (tests/support/moe_models.py)."""
+backends/native/grouped.py), checked against a float reference, on every architecture docs/moe.md
+lists, built from a tiny config (tests/support/moe_models.py)."""
 
 import copy
 
