@@ -154,11 +154,7 @@ def _cast_columns(source: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[
     rows = source.shape[0]
     segments, count = ((transposed_cast.ALL_ROWS, 1) if kind == ROW
                        else (transposed_cast.TILES_128, -(-rows // BLOCK)))
-    amax = transposed_cast.column_amax(source, segments, count)  # [1, count, C]
-    scale = scale_from_amax(amax, FP8_MAX[E4M3])
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    data = transposed_cast.cast_transposed(source, scale, segments)
+    data, scale = transposed_cast.cast_columns(source, lambda amax: tile_scale(amax, power_of_two), segments, count)
     # [C, count] outer-dimension-major: the layout the blockwise GEMM takes its 1x128 scales in
     return data, scale[0].reciprocal().t()
 
@@ -182,6 +178,13 @@ def _(t, kind, power_of_two):
     return t.new_empty((rows, cols), dtype=E4M3), t.new_empty((-(-rows // r), -(-cols // c)), dtype=torch.float32)
 
 
+def tile_scale(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
+    """Each tile's scale from its amax: E4M3's max over it (scaling.scale_from_amax), floored to a
+    power of two where `power_of_two`."""
+    scale = scale_from_amax(amax, FP8_MAX[E4M3])
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
+
+
 def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     t = t.detach()
     rows, cols = t.shape
@@ -189,10 +192,7 @@ def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.T
     pad_r, pad_c = -rows % r, -cols % c
     padded = F.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
     tiles = padded.reshape((rows + pad_r) // r, r, (cols + pad_c) // c, c)
-    amax = tiles.abs().amax(dim=(1, 3)).float()
-    scale = scale_from_amax(amax, FP8_MAX[E4M3])
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = tile_scale(tiles.abs().amax(dim=(1, 3)).float(), power_of_two)
     t_fp8 = quantize(tiles, scale[:, None, :, None], E4M3).reshape(rows + pad_r, cols + pad_c)
     if pad_r or pad_c:
         t_fp8 = t_fp8[:rows, :cols]

@@ -145,7 +145,7 @@ def groupwise_columns(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tenso
 def _fused(t: torch.Tensor) -> bool:
     """Whether `t`'s cast runs fused (grouped_cast and transposed_cast: outside a trace, on CUDA),
     the same bytes as the torch ops above."""
-    return grouped_cast.usable(t) and transposed_cast.usable(t)
+    return grouped_cast.usable(t)
 
 
 def cast_weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +158,7 @@ def cast_weight_input_grad(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     (the scales by grouped_cast's exact arithmetic); the compiled reduction over the weight's
     strided dimension took 1.1 ms a Mixtral gate_up."""
     if _fused(w_nk) and w_nk.stride(-1) == 1:
-        scale = grouped_cast.scale_of(transposed_cast.column_amax(w_nk, transposed_cast.ALL_ROWS, 1))
-        data = transposed_cast.cast_transposed(w_nk, scale, transposed_cast.ALL_ROWS)
+        data, scale = transposed_cast.cast_columns(w_nk, grouped_cast.scale_of, transposed_cast.ALL_ROWS, 1)
         return data, grouped_cast.reciprocal(scale)[:, 0, :]
     w_kn = w_nk.transpose(-2, -1)
     return grouped_cast.weight_input_grad(w_kn) if _fused(w_kn) else rowwise(w_kn)
@@ -178,11 +177,8 @@ def cast_weight_grad_operand(t: torch.Tensor, layout: GroupLayout) -> Tuple[torc
     group and column, transposed to [C, P]. Fused: transposed_cast's two passes read `t` through
     the layout's row map, so the padded copy is never made."""
     if _fused(t):
-        amax = transposed_cast.column_amax(t, transposed_cast.GROUPS, layout.experts, layout.source, layout.group,
-                                           layout.padded_rows)
-        scale = grouped_cast.scale_of(amax)
-        data = transposed_cast.cast_transposed(t, scale, transposed_cast.GROUPS, layout.source, layout.group,
-                                               layout.padded_rows)
+        data, scale = transposed_cast.cast_columns(t, grouped_cast.scale_of, transposed_cast.GROUPS, layout.experts,
+                                                   layout.source, layout.group, layout.padded_rows)
         return data, grouped_cast.reciprocal(scale).reshape(-1)
     return groupwise_columns(pad_groups(t, layout), layout)
 

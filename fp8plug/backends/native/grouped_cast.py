@@ -37,6 +37,8 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
+from fp8plug.backends.native import transposed_cast
+
 logger = logging.getLogger("fp8plug")
 
 E4M3 = torch.float8_e4m3fn
@@ -111,21 +113,10 @@ def _run(function: Callable, *args):
         return function(*args)
 
 
-_READY = None
-
-
-def _triton_on_cuda() -> bool:
-    global _READY
-    if _READY is None:
-        from fp8plug.backends.native.fused_cast import triton_on_cuda
-
-        _READY = triton_on_cuda()
-    return _READY
-
-
 def usable(t: torch.Tensor) -> bool:
-    """Whether the fused casts run for `t`: eagerly (not inside torch.compile), on CUDA, with Triton."""
-    return t.is_cuda and not torch.compiler.is_compiling() and _triton_on_cuda()
+    """Whether the fused casts run for `t`, these and transposed_cast's: outside a trace (eagerly,
+    and inside the grouped operator a compiled model calls), on CUDA, with Triton."""
+    return not torch.compiler.is_compiling() and transposed_cast.usable(t)
 
 
 def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ keep their torch ops; `usable` says which. Checked against them on a GPU (tests/
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -151,16 +151,13 @@ def _build():
 
     @triton.jit
     def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
-                  FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                  FP8_LIMIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """y[r] = fp8(x[src(r)] * scale_r), scale_r = FP8_LIMIT * (1 / max(amax_r, AMAX_FLOOR))
         correctly rounded (a NaN row keeps a NaN scale), inv[r] = 1 / scale_r; zero rows where the
         map says -1."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-        if GATHER:  # the row each row reads (-1: a zero row)
-            src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-            valid = (src >= 0) & (rows < n_rows)
-        else:
-            src, valid = rows, rows < n_rows
+        src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+        valid = (src >= 0) & (rows < n_rows)
         amax = tl.zeros((BR,), dtype=tl.float32)
         nan = tl.zeros((BR,), dtype=tl.int32)
         for start in range(0, n_cols, BC):
@@ -234,23 +231,34 @@ def cast_transposed(t: torch.Tensor, scale: torch.Tensor, segments: int, source:
     return y[0] if squeeze else y
 
 
-def rows_cast(t: torch.Tensor, amax_floor: float, source: Optional[torch.Tensor] = None,
-              n_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def cast_columns(t: torch.Tensor, scale_of: Callable[[torch.Tensor], torch.Tensor], segments: int, n_segments: int,
+                 source: Optional[torch.Tensor] = None, segment: Optional[torch.Tensor] = None,
+                 n_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both passes: (`t` cast per segment and column and written transposed, as cast_transposed
+    gives it; the float32 scales [batch, n_segments, C]). `scale_of` makes the scales from the
+    column maxima (column_amax's), in the caller's own arithmetic, so the bytes are its torch
+    path's. `source`, `segment`, `n_rows` as in column_amax."""
+    scale = scale_of(column_amax(t, segments, n_segments, source, segment, n_rows))
+    return cast_transposed(t, scale, segments, source, segment, n_rows), scale
+
+
+def rows_cast(t: torch.Tensor, amax_floor: float, source: torch.Tensor,
+              n_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [n_rows, C] with one scale per row, the float32 inverse scales [n_rows]): row r is
     `t`'s row source[r] (zero where -1), scaled by E4M3's max over its amax (at least
     `amax_floor`): backends.native.grouped.rowwise's bytes, with the padding gather done on the way."""
     k = _kernels()
     if t.stride(-1) != 1:
         t = t.contiguous()
-    rows = n_rows if n_rows is not None else t.shape[0]
-    cols = t.shape[1]
+    rows, cols = n_rows, t.shape[1]
     y = torch.empty((rows, cols), device=t.device, dtype=E4M3)
     inv = torch.empty((rows,), device=t.device, dtype=torch.float32)
     br, bc, warps = ROWS_TILE
     k["rows_cast"][(k["triton"].cdiv(rows, br),)](
-        t, source if source is not None else t, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor,
-        FP8_LIMIT=float(torch.finfo(E4M3).max), GATHER=source is not None, BR=br, BC=bc, num_warps=warps)
+        t, source, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor, FP8_LIMIT=float(torch.finfo(E4M3).max),
+        BR=br, BC=bc, num_warps=warps)
     return y, inv
 
 
-__all__ = ["ALL_ROWS", "GROUPS", "TILES_128", "cast_transposed", "column_amax", "load", "rows_cast", "usable"]
+__all__ = ["ALL_ROWS", "GROUPS", "TILES_128", "cast_columns", "cast_transposed", "column_amax", "load", "rows_cast",
+           "usable"]
