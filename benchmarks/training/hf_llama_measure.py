@@ -46,16 +46,22 @@ def model_facts(model, optimizer, accelerator, engine: str | None) -> dict:
     """The engine (the Accelerator's, else `engine`, the row's), how many modules run in FP8, the
     trainable parameters no optimizer holds (a path that leaves weights untrained is not faster
     for a good reason) and, for fp8plug, which Linears stayed in high precision and why. An FP8
-    row that converted nothing is an error, not a bf16 number under an FP8 name."""
+    row that converted nothing is an error, not a bf16 number under an FP8 name, unless fp8plug says
+    why of every Linear (its speed filter predicting each slower in FP8: `all_high_precision`)."""
     fp8_engine = getattr(accelerator, "fp8_engine", None)
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     not_stepped = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in stepped)
     out = dict(engine=fp8_engine.name if fp8_engine is not None else engine,
                fp8_modules=count_fp8_modules(model), params_not_stepped=not_stepped)
-    if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
-        raise RuntimeError("no module was converted to FP8")
     for report in getattr(accelerator, "fp8_reports", ()):  # fp8plug rows: what stayed in high precision, why
         out.setdefault("high_precision_linears", {}).update(report.high_precision_linears)
+    if accelerator.mixed_precision == "fp8" and out["fp8_modules"] == 0:
+        import torch
+
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        if not linears or len(out.get("high_precision_linears", {})) < linears:
+            raise RuntimeError("no module was converted to FP8")
+        out["all_high_precision"] = True
     return out
 
 

@@ -39,7 +39,7 @@ from fp8plug._upstream import (
 )
 from fp8plug.backends.region import fp8_now
 from fp8plug.hf.attention import transformers_models
-from fp8plug.layers.gemm_counts import EXPERT_COUNTS, FP8, HIGH_PRECISION
+from fp8plug.layers.gemm_counts import EXPERT_COUNTS, EXPERT_COUNTS_ON_META, FP8, HIGH_PRECISION, settle_expert_counts
 from fp8plug.layers.rules import (
     ALIGNMENT,
     IGNORED,
@@ -139,12 +139,12 @@ def speed_problem(module: nn.Module, speed_filter) -> Optional[str]:
 
 def _count(module: nn.Module, fp8: bool, calls: int = 2) -> None:
     """Count this forward's two projections (fp8plug.coverage): FP8, or high precision in training."""
-    counts = module._buffers.get(EXPERT_COUNTS)
-    if counts is None or not (fp8 or module.training):
+    if EXPERT_COUNTS not in module._buffers or not (fp8 or module.training):
         return
     if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         return  # recomputed during backward (activation checkpointing)
-    counts.select(0, FP8 if fp8 else HIGH_PRECISION).add_(calls)
+    settle_expert_counts(module)
+    module._buffers[EXPERT_COUNTS].select(0, FP8 if fp8 else HIGH_PRECISION).add_(calls)
 
 
 def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -252,8 +252,9 @@ def convert_experts(model: nn.Module, engine, plan, decisions: Tuple[ModuleDecis
         module = model.get_submodule(decision.fqn)
         setattr(module, GEMM, engine.grouped_gemm(plan, _gemm_device(module)))
         if EXPERT_COUNTS not in module._buffers:
-            module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=module.down_proj.device),
-                                   persistent=False)
+            device = module.down_proj.device
+            module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+            setattr(module, EXPERT_COUNTS_ON_META, device.type == "meta")  # zeroed once given memory
             ignore_in_ddp(model, [f"{decision.fqn}.{EXPERT_COUNTS}"])
         report.converted.append(decision.fqn)
         converted.append(decision.fqn)
@@ -286,7 +287,7 @@ def restore_experts(model: nn.Module) -> None:
         if before is not None and experts_implementation(hf_model.config) == FP8PLUG_EXPERTS:
             set_experts_implementation(hf_model, before)
     for _, module in experts_modules(model):
-        for name in (GEMM, BEFORE):
+        for name in (GEMM, BEFORE, EXPERT_COUNTS_ON_META):
             module.__dict__.pop(name, None)
         module._buffers.pop(EXPERT_COUNTS, None)
 

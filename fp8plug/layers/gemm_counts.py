@@ -26,6 +26,7 @@ COUNTS = "fp8plug_gemm_counts"  # buffer name: [FP8 calls, high-precision calls]
 # forward: one per projection's grouped GEMM (two a call). A name of its own, so an experts module
 # is never taken for a converted Linear.
 EXPERT_COUNTS = "fp8plug_expert_gemm_counts"
+EXPERT_COUNTS_ON_META = "_fp8plug_counts_on_meta"  # experts module attribute: its counts were made on meta
 FP8, HIGH_PRECISION = 0, 1
 
 
@@ -50,17 +51,8 @@ class GemmCounter:
         self._engine = _engine(self.backend)
 
     def settle(self, module: nn.Module) -> None:
-        """Zero counts that were made on the meta device and have since been given memory (or make
-        them, where the weights were assigned and the counts left behind on meta)."""
-        if not self.on_meta:
-            return
-        counts = module._buffers[COUNTS]
-        weight = next((p for p in module.parameters(recurse=False)), None)
-        if counts.is_meta and (weight is None or weight.is_meta):
-            return
-        device = weight.device if counts.is_meta else counts.device
-        module._buffers[COUNTS] = torch.zeros(2, dtype=torch.int64, device=device)
-        self.on_meta = False
+        if self.on_meta:
+            self.on_meta = not settle_counts(module, COUNTS)
 
     def __call__(self, module: nn.Module, args, kwargs):
         self.settle(module)
@@ -72,6 +64,25 @@ class GemmCounter:
             return None  # a forward recomputed during backward (activation checkpointing)
         module._buffers[COUNTS].select(0, FP8 if fp8 else HIGH_PRECISION).add_(1)
         return None
+
+
+def settle_counts(module: nn.Module, name: str) -> bool:
+    """Zero `module`'s counts buffer `name`, made on the meta device, once it has been given memory
+    (to_empty leaves whatever memory held), or make it where the weights were assigned and the
+    counts left behind on meta; whether that is done (False: all still on meta)."""
+    counts = module._buffers[name]
+    weight = next((p for p in module.parameters(recurse=False)), None)
+    if counts.is_meta and (weight is None or weight.is_meta):
+        return False
+    device = weight.device if counts.is_meta else counts.device
+    module._buffers[name] = torch.zeros(2, dtype=torch.int64, device=device)
+    return True
+
+
+def settle_expert_counts(module: nn.Module) -> None:
+    """settle_counts for an experts module whose counts were made on meta (EXPERT_COUNTS_ON_META)."""
+    if getattr(module, EXPERT_COUNTS_ON_META, False):
+        setattr(module, EXPERT_COUNTS_ON_META, not settle_counts(module, EXPERT_COUNTS))
 
 
 # Set by the engine registry (fp8plug.backends) when it is imported, which `import fp8plug` does
@@ -152,6 +163,8 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
         for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
             if isinstance(hook, GemmCounter):
                 hook.settle(module)
+        if EXPERT_COUNTS in module._buffers:
+            settle_expert_counts(module)
     found = [(fqn, m._buffers[COUNTS] if has_gemm_counter(m) else m._buffers[EXPERT_COUNTS])
              for fqn, m in model.named_modules() if has_gemm_counter(m) or EXPERT_COUNTS in m._buffers]
     found = [(fqn, counts) for fqn, counts in found if counts.device.type != "meta"]
@@ -180,5 +193,5 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
     return coverage
 
 
-__all__ = ["COUNTS", "EXPERT_COUNTS", "count_gemms", "engine_counts", "fp8_coverage", "has_gemm_counter",
-           "use_engine_lookup"]
+__all__ = ["COUNTS", "EXPERT_COUNTS", "EXPERT_COUNTS_ON_META", "count_gemms", "engine_counts", "fp8_coverage",
+           "has_gemm_counter", "settle_counts", "settle_expert_counts", "use_engine_lookup"]

@@ -13,6 +13,7 @@ from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
 from fp8plug.backends.native import grouped
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
+from fp8plug.layers.gemm_counts import EXPERT_COUNTS
 from tests.support.hf import fresh
 from tests.support.moe_models import ARCHITECTURES, EXPERTS, VOCAB, builder
 from tests.support.numerics import sqnr_db
@@ -364,3 +365,21 @@ def test_save_fp8_checkpoint_writes_the_experts_in_fp8_one_weight_per_expert(tmp
     state = load_fp8_checkpoint(str(tmp_path / "ckpt"), model=model)  # tests/cpu/test_export_experts.py: the layout
     down = model.model.layers[0].mlp.experts.down_proj
     assert sqnr_db(state["model.layers.0.mlp.experts.down_proj"], down) > 25
+
+
+def test_expert_counts_made_on_meta_start_from_zero_once_given_memory():
+    """A model built on meta and converted there (FSDP2's meta initialisation) counts its experts'
+    GEMMs from zero after to_empty, whatever memory to_empty handed the counts."""
+    reference = _build("mixtral")
+    with torch.device("meta"):
+        model = _build("mixtral")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    for _, module in experts_modules(model):
+        module._buffers[EXPERT_COUNTS].fill_(123456789)  # what to_empty's memory may hold
+    model.train()
+    model(_batch())
+    coverage = fp8plug.fp8_coverage(model)
+    experts = [fqn for fqn, _ in experts_modules(model)]
+    assert experts and all(coverage["layers"][fqn] == (2, 0) for fqn in experts), coverage["layers"]

@@ -1,12 +1,13 @@
-"""The two-pass transposed FP8 casts on CUDA (fp8plug/backends/native/transposed_cast.py) write the
-bytes of the torch-op casts they replace: the granular layers' transposed operands (rowwise and
-1x128 tiles), and the grouped GEMM's token rows, weight-gradient operands (gathered through the
-padded layout, whole and as a column slice) and input-gradient weight."""
+"""The two-pass FP8 casts on CUDA write the bytes of the torch-op casts they replace: the transposed
+ones (fp8plug/backends/native/transposed_cast.py) for the granular layers' transposed operands
+(rowwise and 1x128 tiles) and the grouped GEMM's token rows, weight-gradient operands (gathered
+through the padded layout, whole and as a column slice) and input-gradient weight; and the eager
+granular casts written as they are (tile_cast.py: per row, 1x128 tile, 128x128 block, tensor)."""
 
 import pytest
 import torch
 
-from fp8plug.backends.native import granular, grouped, transposed_cast
+from fp8plug.backends.native import granular, grouped, tile_cast, transposed_cast
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="needs an sm_90 (Hopper) GPU")
@@ -33,6 +34,20 @@ def test_granular_transposed_casts_write_the_torch_bytes(dtype, kind, power_of_t
     assert granular._columns_of(x.t(), kind)
     same(granular._cast_columns(x, kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
     same(granular.cast_tiles(x.t(), kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [granular.ROW, granular.TILE, granular.SQUARE, granular.TENSOR])
+@pytest.mark.parametrize("rows,cols", [(8192, 4096), (300, 520), (31, 130)])
+def test_eager_granular_casts_write_the_torch_bytes(dtype, kind, rows, cols):
+    torch.manual_seed(3)
+    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-4, 3, cols, device="cuda")).to(dtype)
+    x[5, 7], x[9, 11] = float("nan"), float("inf")  # their tile keeps scale 1, the values made NaN
+    assert tile_cast.usable(x)
+    for power_of_two in (True, False):
+        same(granular.cast_tiles(x, kind, power_of_two), granular._cast_tiles(x, kind, power_of_two))
+    columns = x[:, 2:cols - 1]  # a row-major view with a row stride of its own
+    same(granular.cast_tiles(columns, kind, True), granular._cast_tiles(columns, kind, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

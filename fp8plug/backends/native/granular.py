@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
-from fp8plug.backends.native import compiled_ops, transposed_cast
+from fp8plug.backends.native import compiled_ops, tile_cast, transposed_cast
 from fp8plug.backends.native.scaling import E4M3, FP8_MAX, quantize, scale_from_amax
 
 GRANULAR = ("rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -115,13 +115,18 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
     """(t [rows, K] in E4M3, the inverse scales: one float32 per tile of `kind`, shaped
     [ceil(rows/r), ceil(K/c)]). Each tile's scale is E4M3's max over the tile's amax (floored to a
     power of two where `power_of_two`, as torchao's rowwise recipes do); an all-zero or
-    non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize). On the
-    CPU one operator torch.compile calls as it is: torch 2.13's CPU inductor failed to generate
-    code for the tile reduction traced into it (its loop split); GPU compilers fuse it."""
+    non-finite tile keeps scale 1, and a non-finite value becomes NaN (scaling.quantize). Eagerly
+    on CUDA two Triton passes (backends.native.tile_cast; transposed operands: transposed_cast),
+    which give the torch ops' bytes. On the CPU one operator torch.compile calls as it is: torch
+    2.13's CPU inductor failed to generate code for the tile reduction traced into it (its loop
+    split); GPU compilers fuse it."""
     if torch.compiler.is_compiling():
         return _traced_cast(t, kind, power_of_two)
     if _columns_of(t, kind):
         return _cast_columns(t.detach().t(), kind, power_of_two)
+    if tile_cast.usable(t):
+        t_fp8, scale = tile_cast.cast(t.detach(), _tile(kind, *t.shape), lambda amax: tile_scale(amax, power_of_two))
+        return t_fp8, scale.reciprocal()
     return _cast_tiles(t, kind, power_of_two)
 
 
