@@ -43,17 +43,34 @@ run `-eager`, or `-usercompiled` through DeepSpeedEngine.compile(); `-regional` 
 
 Per row: tok/s per GPU (batch x seq over the median step time after --warmup; each step ends with
 a device synchronise, negligible at 1 s a step); MFU = tok/s per GPU x F / 989e12 (--peak-tflops,
-H100 SXM dense bf16) with F = 6 x N + 12 x layers x hidden x seq FLOPs per token, N the parameters
-outside the input embedding (PaLM's and torchtitan's count: causal masking not subtracted,
+H100 SXM dense bf16) with F = 6 x N + 12 x layers x heads x head_dim x seq FLOPs per token, N the
+parameters outside the input embedding that a token runs through (of an MoE layer's experts, top_k)
+(PaLM's and torchtitan's count: causal masking not subtracted,
 recomputation not added); peak memory per GPU (max_memory_allocated, max over ranks); seconds from
 the launch to the end of step 1; the loss (rank 0, mean over the last 10 steps); FP8 Linear layers
 out of all Linear layers (an FP8 row that converted none fails rather than report bf16 numbers).
+
+`--model mixtral` / `qwen3moe` trains benchmarks/moe/moe_llm.py's MoE shapes instead (its config
+builder; `toy` is its CPU size), built on meta and initialised per name as above, one FSDP2 unit per
+decoder layer, without activation checkpointing unless asked (as moe_llm.py runs them). Their
+weights are bf16 where it counts: Accelerate's FSDP2 keeps fp32 master shards (it upcasts bf16
+parameters before sharding) and all-gathers them in bf16 (MixedPrecisionPolicy param_dtype), so
+the bf16 rows' experts run transformers' `grouped_mm` on bf16 weights and tokens, the baseline of
+moe_llm.py's `bf16-bf16weights` rows; `gathered_dtype`, `master_dtypes` and
+`experts_implementation` in the JSON say so per row, and `experts_fp8` / `experts_total` how many
+experts modules ran their GEMMs in FP8. `--data text` trains on real text instead of the
+synthetic task (benchmarks/training/real_text.py's corpus and tokenizer, made once by the parent).
+Every row records rank 0's loss at every step (`losses`) and its 10-step mean against the bf16
+row of the same compile mode (`loss_vs_bf16_pct`). The loss is the model's output, which FSDP2's
+policy (output_dtype bf16) rounds to bf16: about 0.2-0.4% a step at losses of 2-8.
 
     python3 benchmarks/distributed/fsdp2_llama.py --json out/fsdp2.json             # every visible GPU
     python3 benchmarks/distributed/fsdp2_llama.py --nproc 1 --layers 4 --json out/fsdp2_1gpu.json
     python3 benchmarks/distributed/fsdp2_llama.py --device cpu --nproc 2 --layers 2 --hidden 256 \\
         --intermediate 512 --heads 4 --kv-heads 2 --vocab 512 --seq 64 --rows bf16-eager,fp8plug-eager
     python3 benchmarks/distributed/fsdp2_llama.py --strategy zero3 --rows bf16-eager,fp8plug-eager --json out/zero3.json
+    python3 benchmarks/distributed/fsdp2_llama.py --model mixtral --data text --steps 200 \\
+        --rows bf16-usercompiled,fp8plug-usercompiled --json out/moe_fsdp2.json
 """
 
 from __future__ import annotations
@@ -75,7 +92,7 @@ from pathlib import Path
 
 PROCESS_START = time.time()  # --deadline counts from here
 ROOT = Path(__file__).resolve().parents[2]
-for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
+for _path in (str(ROOT), str(ROOT / "benchmarks" / "training"), str(ROOT / "benchmarks" / "moe")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -83,9 +100,18 @@ from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama import versions  # noqa: E402
 from hf_llama_measure import LOSS_WINDOW, dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
+from moe_llm import MODELS as MOE_MODELS  # noqa: E402
+from moe_llm import experts_facts, loss_vs_bf16, model_config  # noqa: E402
 
 LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=8192, batch=1,
                  rope_theta=500000.0)
+# --model: the Llama, or one of benchmarks/moe/moe_llm.py's MoE shapes (its builder: the same model as its rows)
+MODELS = dict(llama=LLAMA3_8B, **MOE_MODELS)
+# the size options (--layers, --expert-ffn, ...): every key some model's spec has, except what its name fixes
+SIZE_KEYS = [key for key in dict.fromkeys(k for spec in MODELS.values() for k in spec)
+             if key not in ("arch", "norm_topk_prob")]
+DECODER_LAYERS = dict(mixtral="MixtralDecoderLayer", qwen3moe="Qwen3MoeDecoderLayer")  # by spec["arch"]
+TEXT_CACHE = Path(tempfile.gettempdir()) / "fp8plug_fsdp2_text"
 # row base -> (which Accelerator, mixed precision, FP8 engine, recipe arguments)
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
@@ -108,17 +134,29 @@ INIT_STD = 0.02  # transformers' initializer_range for Llama
 
 
 def parameter_counts(spec: dict) -> tuple:
-    """(all parameters, those outside the input embedding) of the model `spec` describes."""
-    d, kv = spec["hidden"], spec["hidden"] // spec["heads"] * spec["kv_heads"]
-    layer = 2 * d * d + 2 * d * kv + 3 * d * spec["intermediate"] + 2 * d  # q, o; k, v; MLP; two norms
-    non_embedding = spec["layers"] * layer + d + spec["vocab"] * d  # + final norm + lm_head
-    return non_embedding + spec["vocab"] * d, non_embedding
+    """(all parameters, those outside the input embedding, those of them a token runs through) of
+    the model `spec` describes: an MoE token runs through top_k of the experts."""
+    d, head_dim = spec["hidden"], spec.get("head_dim") or spec["hidden"] // spec["heads"]
+    q, kv = spec["heads"] * head_dim, spec["kv_heads"] * head_dim
+    attention = 2 * d * q + 2 * d * kv + 2 * d  # q, o; k, v; two norms
+    if spec.get("arch") == "qwen3moe":
+        attention += 2 * head_dim  # q_norm, k_norm
+    if "experts" in spec:
+        router, expert = d * spec["experts"], 3 * d * spec["expert_ffn"]
+        layer, active = attention + router + spec["experts"] * expert, attention + router + spec["top_k"] * expert
+    else:
+        layer = active = attention + 3 * d * spec["intermediate"]
+    rest = d + spec["vocab"] * d  # final norm + lm_head
+    non_embedding = spec["layers"] * layer + rest
+    return non_embedding + spec["vocab"] * d, non_embedding, spec["layers"] * active + rest
 
 
 def flops_per_token(spec: dict) -> float:
-    """Model FLOPs per trained token: 6 x (parameters outside the input embedding) + 12 x layers x
-    hidden x seq (attention scores and values, forward and backward)."""
-    return 6 * parameter_counts(spec)[1] + 12 * spec["layers"] * spec["hidden"] * spec["seq"]
+    """Model FLOPs per trained token: 6 x (parameters outside the input embedding that the token
+    runs through) + 12 x layers x attention width x seq (attention scores and values, forward and
+    backward)."""
+    head_dim = spec.get("head_dim") or spec["hidden"] // spec["heads"]
+    return 6 * parameter_counts(spec)[2] + 12 * spec["layers"] * spec["heads"] * head_dim * spec["seq"]
 
 
 # --- one row: every rank of a torch.distributed.run launch runs this --------------------------------
@@ -142,8 +180,10 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
         handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
         return accelerate.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-        reshard_after_forward=True, activation_checkpointing=True, cpu_ram_efficient_loading=False,
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[DECODER_LAYERS.get(spec.get("arch"), "LlamaDecoderLayer")],
+        reshard_after_forward=True, activation_checkpointing=spec.get("checkpointing", True),
+        cpu_ram_efficient_loading=False,
         state_dict_type="SHARDED_STATE_DICT")
     if kind == "fp8plug":
         import fp8plug
@@ -177,17 +217,16 @@ def zero3_plugin(spec: dict):
 
 
 def build_zero3_model(spec: dict, accelerator, device):
-    """LlamaForCausalLM built inside deepspeed.zero.Init (each layer partitioned as it is made: no
+    """The model built inside deepspeed.zero.Init (each layer partitioned as it is made: no
     rank holds the whole model), every parameter then set from its per-name seed as `materialise`
     does, one at a time (gathered, filled on rank 0, scattered back), and transformers' own
     activation checkpointing per decoder layer."""
     import deepspeed
     import torch
-    from transformers import LlamaForCausalLM
 
-    config = build_meta_model(spec).config
+    meta = build_meta_model(spec)
     with deepspeed.zero.Init(config_dict_or_path=accelerator.state.deepspeed_plugin.deepspeed_config):
-        model = LlamaForCausalLM(config)
+        model = type(meta)(meta.config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -228,10 +267,17 @@ def fsdp_on_cpu(accelerator, plugin) -> None:
 
 
 def build_meta_model(spec: dict):
-    """LlamaForCausalLM from the config: parameters on meta, buffers (RoPE's) real, train mode."""
+    """The model from its config (LlamaForCausalLM, or moe_llm.py's MoE model where `spec` has an
+    "arch"): parameters on meta, buffers (RoPE's) real, train mode."""
     import accelerate
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if "arch" in spec:
+        cls, config = model_config(spec)
+        config.initializer_range = INIT_STD
+        with accelerate.init_empty_weights(include_buffers=False):
+            model = cls(config)
+        return model.train()
     config = LlamaConfig(
         vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
@@ -347,8 +393,11 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     materialise(model, device)
     rebind_optimizer(optimizer, model)
+    if hasattr(accelerator, "fp8_coverage"):  # its counts, made on meta, hold what to_empty's memory held
+        accelerator.fp8_coverage(reset=True)
     out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
     out.update(model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2]))
+    out.update(precision_facts(model, accelerator))
     if mode == "usercompiled":
         model = torch.compile(model, backend=args.compile_backend)
     return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
@@ -382,13 +431,58 @@ def train_zero3(row: str, spec: dict, args, t0: float, accelerator, out: dict) -
     return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
 
 
+def precision_facts(model, accelerator) -> dict:
+    """The dtypes a prepared model trains in: its master weights and, under FSDP2, the dtype the
+    mixed precision policy all-gathers them in (what its GEMMs read; transformers' grouped_mm
+    experts run in that dtype); and the experts implementation transformers calls, where it has one
+    (fp8plug's FP8 experts replace "grouped_mm")."""
+    import torch
+
+    inner = accelerator.unwrap_model(model)
+    masters = sorted({str(p.dtype).replace("torch.", "") for p in inner.parameters() if p.requires_grad})
+    policy = getattr(getattr(accelerator.state, "fsdp_plugin", None), "mixed_precision_policy", None)
+    param_dtype = getattr(policy, "param_dtype", None)
+    out = dict(master_dtypes=masters,
+               gathered_dtype=str(param_dtype).replace("torch.", "") if isinstance(param_dtype, torch.dtype) else None)
+    config = getattr(inner, "config", None)
+    if hasattr(config, "_experts_implementation"):
+        out["experts_implementation"] = config._experts_implementation
+    return out
+
+
+def train_batches(spec: dict, args, rank: int):
+    """This rank's batches, (steps, batch, seq) token ids: hf_llama_task's synthetic task, or with
+    --data text windows of real text (benchmarks/training/real_text.py's corpus of site-packages
+    sources and its BPE tokenizer, made once by the parent in --text-cache), each rank its own seed."""
+    import torch
+
+    if args.data == "synthetic":
+        return make_batches(spec, args.steps, seed=1234 + rank)
+    from real_text import batches
+
+    windows = batches(text_dir(args), "train", args.steps, spec, seed=1234 + rank)
+    return torch.stack([w[:, :spec["seq"]] for w in windows])
+
+
+def text_spec(args) -> dict:
+    """real_text.prepare_data's spec for --data text: its tokenizer's vocabulary fills the model's
+    up to 32000 (the token files hold uint16)."""
+    return dict(vocab=min(args.spec["vocab"], 32000), budget_mb=args.text_mb, tokenizer_mb=max(1, args.text_mb // 5))
+
+
+def text_dir(args) -> Path:
+    """Where --data text's tokenizer and token files are: one folder per vocabulary and text size."""
+    spec = text_spec(args)
+    return Path(args.text_cache) / f"v{spec['vocab']}_{spec['budget_mb']}mb"
+
+
 def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: float, out: dict) -> dict:
     """The timed steps every strategy shares; `out` completed with the row's numbers."""
     import torch
 
     rank, device = accelerator.process_index, accelerator.device
     cuda = device.type == "cuda"
-    data = make_batches(spec, args.steps, seed=1234 + rank).to(device)
+    data = train_batches(spec, args, rank).to(device)
     if cuda:
         out["after_init_gb"] = torch.cuda.memory_allocated(device) / 1e9
     ms, losses = [], []
@@ -413,10 +507,13 @@ def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: f
             write_json(args.json + ".progress", dict(out, step_ms_all=ms, losses=[x.item() for x in losses]))
     out.update(step_numbers(spec, args.steps, args.warmup, ms, losses))
     out["loss_last"] = losses[-1].item()
+    out["losses"] = [round(x, 5) for x in torch.stack(losses).tolist()]  # rank 0's, every step
     out["step_ms_all"] = [round(x, 2) for x in ms]
     out["dynamo_graphs"] = dynamo_graphs()
     out["final_sums"] = weight_sums(model, device)
     out.update(fp8_facts(model, accelerator))
+    if "experts" in spec and hasattr(accelerator, "fp8_reports"):
+        out.update(experts_facts(accelerator, model))
     if cuda and args.profile:  # after the timed steps: every rank profiles (collectives), rank 0 reports
         out["profile"] = profile_steps(lambda: step(args.steps - 1), args.profile, top=40)
     if cuda:
@@ -461,9 +558,13 @@ def write_json(path, data) -> None:
 
 
 def child_command(row: str, args, path: Path) -> list:
-    spec = [x for key, value in args.spec.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+    spec = [x for key, value in args.spec.items() if key in SIZE_KEYS
+            for x in (f"--{key.replace('_', '-')}", str(value))]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-            str(Path(__file__).resolve()), "--row", row, "--json", str(path), *spec, "--steps", str(args.steps),
+            str(Path(__file__).resolve()), "--row", row, "--json", str(path), "--model", args.model, *spec,
+            "--activation-checkpointing", "on" if args.spec["checkpointing"] else "off",
+            "--data", args.data, "--text-mb", str(args.text_mb), "--text-cache", args.text_cache,
+            "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--device", args.device,
             "--compile-backend", args.compile_backend, "--strategy", args.strategy,
             "--peak-tflops", str(args.peak_tflops), "--profile", str(args.profile), "--t0", str(time.time())]
@@ -562,6 +663,9 @@ def run_rows(args, meta: dict) -> list:
                   f"{r.get('first_step_s')} s, loss {r.get('loss')}, {time.time() - start:.0f} s",
                   file=sys.stderr, flush=True)
         meta["device"] = next((r["device"] for r in rows if r.get("device")), None)
+        ok = {r["row"]: r for r in rows if r.get("loss") is not None}
+        for r in rows:  # FP8's cost in loss: against the bf16 row of the same compile mode
+            r["loss_vs_bf16_pct"], r["loss_vs_bf16_of"] = loss_vs_bf16(r, ok, None)
         if args.json:
             write_json(args.json, dict(meta=meta, rows=rows))
     return rows
@@ -572,15 +676,20 @@ def table(meta: dict, rows: list) -> str:
         return "-" if value is None else format(value, spec) + suffix
 
     s = meta["spec"]
+    ffn = (f"{s['experts']} experts top-{s['top_k']}, expert ffn {s['expert_ffn']}" if "experts" in s
+           else f"ffn {s['intermediate']}")
+    floor = meta.get("loss_floor")
     lines = [
-        f"LlamaForCausalLM {s['layers']} layers, hidden {s['hidden']}, ffn {s['intermediate']}, "
+        f"{meta.get('model', 'llama')}: {s['layers']} layers, hidden {s['hidden']}, {ffn}, "
         f"{s['heads']}/{s['kv_heads']} heads, vocab {s['vocab']}; FSDP2 over {meta['nproc']} x "
-        f"{meta.get('device') or '-'}, batch {s['batch']} x {s['seq']} tokens per GPU, per-layer activation "
-        f"checkpointing; {meta['steps']} steps ({meta['warmup']} warm-up); MFU at {meta['peak_tflops']:g} TFLOP/s, "
-        f"{meta['flops_per_token'] / 1e9:.1f} GFLOP/token; loss floor {loss_floor(s):.3f}",
+        f"{meta.get('device') or '-'}, batch {s['batch']} x {s['seq']} tokens per GPU"
+        f"{', per-layer activation checkpointing' if s.get('checkpointing', True) else ''}; {meta['steps']} steps "
+        f"({meta['warmup']} warm-up) on {meta.get('data', 'synthetic')} data; MFU at {meta['peak_tflops']:g} TFLOP/s, "
+        f"{meta['flops_per_token'] / 1e9:.1f} GFLOP/token{'' if floor is None else f'; loss floor {floor:.3f}'}",
         "",
-        "| row | engine | FP8 linears | tok/s/GPU | MFU | peak GB/GPU | first step s | loss | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| row | engine | FP8 linears | FP8 experts | tok/s/GPU | MFU | peak GB/GPU | first step s | loss "
+        "| loss vs bf16 % | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         note = (r.get("error") or "").replace("|", "/")
@@ -589,16 +698,30 @@ def table(meta: dict, rows: list) -> str:
         if r.get("te_modules") and not r.get("te_modules_ran_fp8"):
             note += " TE layers ran outside FP8 autocast (bf16)"
         fp8 = "-" if r.get("fp8_modules") is None else f"{r['fp8_modules']}/{r.get('linears')}"
-        lines.append(f"| {r['row']} | {r.get('engine') or '-'} | {fp8} | {f(r.get('tokens_per_s'), ',.0f')} | "
+        experts = "-" if r.get("experts_total") is None else f"{r['experts_fp8']}/{r['experts_total']}"
+        lines.append(f"| {r['row']} | {r.get('engine') or '-'} | {fp8} | {experts} | "
+                     f"{f(r.get('tokens_per_s'), ',.0f')} | "
                      f"{f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | {f(r.get('peak_gb'), '.1f')} | "
-                     f"{f(r.get('first_step_s'), '.0f')} | {f(r.get('loss'), '.4f')} | {note.strip()} |")
+                     f"{f(r.get('first_step_s'), '.0f')} | {f(r.get('loss'), '.4f')} | "
+                     f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {note.strip()} |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for key, value in LLAMA3_8B.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=f"default {value}")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama",
+                   help="llama (Llama-3-8B's shape), or benchmarks/moe/moe_llm.py's MoE shapes (toy: its CPU size)")
+    for key in SIZE_KEYS:
+        kind = next(type(spec[key]) for spec in MODELS.values() if key in spec)
+        p.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
+                       help="default: " + ", ".join(f"{name} {spec[key]}" for name, spec in MODELS.items()
+                                                    if key in spec))
+    p.add_argument("--activation-checkpointing", choices=("on", "off"), default=None,
+                   help="per decoder layer (default: on for llama, off for the MoE models, as moe_llm.py runs them)")
+    p.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
+                   help="synthetic: hf_llama_task's task (known loss floor); text: real text (real_text.py's corpus)")
+    p.add_argument("--text-mb", type=int, default=40, help="--data text: megabytes of site-packages text read")
+    p.add_argument("--text-cache", default=str(TEXT_CACHE), help="--data text: where the tokenized corpus is kept")
     p.add_argument("--strategy", choices=("fsdp2", "zero3"), default="fsdp2",
                    help="FSDP2 through Accelerate (default), or DeepSpeed ZeRO-3 (rows -eager, -usercompiled)")
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS}); rows: "
@@ -622,7 +745,16 @@ def parse_args(argv=None):
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one rank of one row (what the parent launches)
     p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.spec = {key: getattr(args, key) for key in LLAMA3_8B}
+    args.spec = dict(MODELS[args.model])
+    for key in SIZE_KEYS:
+        if getattr(args, key) is not None:
+            if key not in args.spec:
+                p.error(f"--{key.replace('_', '-')}: --model {args.model} has no such size")
+            args.spec[key] = getattr(args, key)
+    args.spec["checkpointing"] = (args.model == "llama" if args.activation_checkpointing is None
+                                  else args.activation_checkpointing == "on")
+    if args.data == "text" and args.spec["vocab"] < 512:
+        p.error("--data text needs --vocab 512 or more (a byte-level tokenizer has 257 tokens before any merge)")
     bad = [r for r in args.rows.split(",") if r.strip() and r.strip() not in ALL_ROWS]
     if bad:
         p.error(f"--rows: unknown row {bad[0]!r}; rows: {', '.join(ALL_ROWS)}")
@@ -646,13 +778,17 @@ def main(argv=None) -> int:
         import torch
 
         args.nproc = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 2
-    meta = dict(spec=args.spec, strategy=args.strategy, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-                lr=args.lr,
-                loss_floor=loss_floor(args.spec), peak_tflops=args.peak_tflops,
+    meta = dict(model=args.model, spec=args.spec, strategy=args.strategy, nproc=args.nproc, steps=args.steps,
+                warmup=args.warmup, lr=args.lr, data=args.data,
+                loss_floor=loss_floor(args.spec) if args.data == "synthetic" else None, peak_tflops=args.peak_tflops,
                 flops_per_token=flops_per_token(args.spec), compile_backend=args.compile_backend, versions=versions(),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 command="python3 benchmarks/distributed/fsdp2_llama.py "
                 + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.data == "text":  # made once here, before any row: the rows read it
+        from real_text import prepare_data
+
+        meta["text"] = prepare_data(text_dir(args), text_spec(args))
     rows = run_rows(args, meta)
     print(table(meta, rows))
     return 0 if any(r.get("tokens_per_s") and not r.get("error") for r in rows) else 1

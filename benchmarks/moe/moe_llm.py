@@ -89,9 +89,9 @@ DEFAULT_ROWS = ["bf16-usercompiled", "bf16-compiled", "fp8plug-usercompiled", "f
                 "bf16-bf16weights-usercompiled"]
 
 
-def build_model(spec: dict, device):
-    """The row's model from a config, fp32 weights on `device`, seed 0."""
-    import torch
+def model_config(spec: dict):
+    """(the model class, its config) for `spec`: what every MoE benchmark builds (this one on one
+    GPU, benchmarks/distributed/fsdp2_llama.py's `--model` under FSDP2)."""
     import transformers
 
     common = dict(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_hidden_layers=spec["layers"],
@@ -100,14 +100,20 @@ def build_model(spec: dict, device):
     if spec["arch"] == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=spec["expert_ffn"], num_local_experts=spec["experts"],
                                             num_experts_per_tok=spec["top_k"], head_dim=spec["head_dim"], **common)
-        cls = transformers.MixtralForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(moe_intermediate_size=spec["expert_ffn"], num_experts=spec["experts"],
-                                             num_experts_per_tok=spec["top_k"], head_dim=spec["head_dim"],
-                                             intermediate_size=4 * spec["hidden"], decoder_sparse_step=1,
-                                             mlp_only_layers=[], norm_topk_prob=spec.get("norm_topk_prob", False),
-                                             **common)
-        cls = transformers.Qwen3MoeForCausalLM
+        return transformers.MixtralForCausalLM, config
+    config = transformers.Qwen3MoeConfig(moe_intermediate_size=spec["expert_ffn"], num_experts=spec["experts"],
+                                         num_experts_per_tok=spec["top_k"], head_dim=spec["head_dim"],
+                                         intermediate_size=4 * spec["hidden"], decoder_sparse_step=1,
+                                         mlp_only_layers=[], norm_topk_prob=spec.get("norm_topk_prob", False),
+                                         **common)
+    return transformers.Qwen3MoeForCausalLM, config
+
+
+def build_model(spec: dict, device):
+    """The row's model from a config, fp32 weights on `device`, seed 0."""
+    import torch
+
+    cls, config = model_config(spec)
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(config)
@@ -187,17 +193,22 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
             out["profile"] = profile_steps(lambda: step(steps - 1), profile, top=60)
     out.update(step_numbers(spec, steps, warmup, [clock.ms(a, b) for a, b in zip(marks, marks[1:])], losses))
     if row.startswith("fp8plug"):
-        import fp8plug
-
-        inner = accelerator.unwrap_model(model)
-        layers = fp8plug.fp8_coverage(inner)["layers"]
-        experts = {k: v for k, v in layers.items() if k.endswith("experts")}
-        out["experts_fp8"] = sum(1 for fp8, _ in experts.values() if fp8)
-        out["experts_total"] = sum(1 for name, _ in inner.named_modules() if name.endswith("mlp.experts"))
-        out["padding_share_bound"] = padding_share(spec)
-        out["experts_note"] = "; ".join(sorted({why for report in accelerator.fp8_reports
-                                                for fqn, why in report.skipped.items() if fqn in report.experts}))
+        out.update(experts_facts(accelerator, model), padding_share_bound=padding_share(spec))
     return out
+
+
+def experts_facts(accelerator, model) -> dict:
+    """How many experts modules ran their GEMMs in FP8 (fp8plug.fp8_coverage, counted as they ran),
+    out of how many the model has, and why any stayed in high precision (the conversion reports)."""
+    import fp8plug
+
+    inner = accelerator.unwrap_model(model)
+    layers = fp8plug.fp8_coverage(inner)["layers"]
+    experts = {k: v for k, v in layers.items() if k.endswith("experts")}
+    return dict(experts_fp8=sum(1 for fp8, _ in experts.values() if fp8),
+                experts_total=sum(1 for name, _ in inner.named_modules() if name.endswith("mlp.experts")),
+                experts_note="; ".join(sorted({why for report in accelerator.fp8_reports
+                                               for fqn, why in report.skipped.items() if fqn in report.experts})))
 
 
 def run_row(row: str, spec: dict, steps: int, warmup: int, lr: float, device_name: str, t0: float,

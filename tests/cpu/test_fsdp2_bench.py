@@ -1,7 +1,8 @@
 """benchmarks/distributed/fsdp2_llama.py on the CPU: the FLOP count behind its MFU, the parent's
-row bookkeeping (deadline, rows cut short) without launching anything, and one tiny row launched
-for real (two gloo processes, FSDP2 switched on by hand as the script does on a CPU), whose JSON
-must hold every reported field, a finite loss and every weight in the optimizer."""
+row bookkeeping (deadline, rows cut short) without launching anything, and tiny rows launched for
+real (two gloo processes, FSDP2 switched on by hand as the script does on a CPU): a Llama row,
+whose JSON must hold every reported field, a finite loss and every weight in the optimizer, and
+the MoE model (`--model toy`, moe_llm.py's Mixtral) on real text, bf16 against FP8 experts."""
 
 import json
 import math
@@ -24,10 +25,35 @@ TINY = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", 
 
 def test_parameter_count_and_flops_are_llama3_8b():
     args = fsdp2_llama.parse_args([])
-    total, non_embedding = fsdp2_llama.parameter_counts(args.spec)
+    total, non_embedding, active = fsdp2_llama.parameter_counts(args.spec)
     assert total == 8_030_261_248  # Llama-3-8B
-    assert non_embedding == total - 128256 * 4096
+    assert non_embedding == active == total - 128256 * 4096
     assert fsdp2_llama.flops_per_token(args.spec) == 6 * non_embedding + 12 * 32 * 4096 * 8192
+
+
+@pytest.mark.parametrize("model", ["toy", "mixtral", "qwen3moe"])
+def test_moe_parameter_counts_are_the_built_models(model):
+    """parameter_counts against the model moe_llm.py's builder makes (on meta, one layer): all of
+    them, and those a token runs through (top_k of the experts)."""
+    args = fsdp2_llama.parse_args(["--model", model, "--layers", "1"])
+    built = fsdp2_llama.build_meta_model(args.spec)
+    total, non_embedding, active = fsdp2_llama.parameter_counts(args.spec)
+    assert total == sum(p.numel() for p in built.parameters())
+    assert non_embedding == total - built.get_input_embeddings().weight.numel()
+    experts = built.model.layers[0].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // args.spec["experts"]
+    assert active == non_embedding - (args.spec["experts"] - args.spec["top_k"]) * per_expert
+
+
+def test_model_sizes_and_their_defaults():
+    mixtral = fsdp2_llama.parse_args(["--model", "mixtral", "--layers", "1"])
+    assert mixtral.spec["experts"] == 8 and mixtral.spec["layers"] == 1 and mixtral.spec["seq"] == 2048
+    assert mixtral.spec["checkpointing"] is False  # as moe_llm.py runs it
+    assert fsdp2_llama.parse_args([]).spec["checkpointing"] is True
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--model", "mixtral", "--intermediate", "512"])  # the Llama's size
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--model", "toy", "--data", "text"])  # vocab 256: below the byte-level alphabet
 
 
 def test_rows_past_the_deadline_are_reported_not_run(tmp_path, monkeypatch):
@@ -75,3 +101,35 @@ def test_tiny_row_on_two_cpu_processes(tmp_path):
     assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
     assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
     assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
+
+
+@pytest.mark.slow
+def test_moe_rows_on_real_text_on_two_cpu_processes(tmp_path):
+    """moe_llm.py's toy Mixtral under FSDP2 on two processes, 6 steps of real text: bf16 (its experts
+    transformers' grouped_mm on bf16 gathered weights) against fp8plug's native engine, both
+    compiled whole (aot_eager); the FP8 row's experts must have run their grouped GEMMs in FP8
+    (about a minute on two busy cores, mostly imports)."""
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "toy", "--vocab", "512", "--device", "cpu", "--nproc", "2",
+         "--rows", "bf16-usercompiled,fp8plug-native-usercompiled", "--steps", "6", "--warmup", "1",
+         "--compile-backend", "aot_eager", "--data", "text", "--text-mb", "1", "--text-cache", str(tmp_path / "text"),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["data"] == "text" and data["meta"]["text"]["train_tokens"] > 10_000
+    bf16, fp8 = data["rows"]
+    for row in (bf16, fp8):
+        assert row["error"] is None, row["error"]
+        assert len(row["losses"]) == 6 and all(math.isfinite(x) for x in row["losses"])
+        assert row["losses"][0] > 5  # about ln(512) from random weights: real text, not the synthetic task
+        assert row["params_not_stepped"] == 0 and row["final_sums"] != row["init_sums"]
+        assert row["master_dtypes"] == ["float32"] and row["gathered_dtype"] == "bfloat16"
+    assert bf16["experts_implementation"] == "grouped_mm" and bf16.get("experts_total") is None
+    assert fp8["experts_implementation"] == "fp8plug_fp8_experts"
+    assert fp8["experts_fp8"] == fp8["experts_total"] == 2, fp8.get("experts_note")
+    # counted from zero: every call of the 8 converted Linears and the 2 x 2 expert projections, 6 steps
+    assert fp8["fp8_gemms"] == 6 * (8 + 2 * 2) and fp8["high_precision_gemms"] == 0
+    assert fp8["loss_vs_bf16_of"] == "bf16-usercompiled" and abs(fp8["loss_vs_bf16_pct"]) < 5
+    assert "| fp8plug-native-usercompiled | native |" in proc.stdout and "| 2/2 |" in proc.stdout
