@@ -79,16 +79,17 @@ def _build():
     @triton.jit
     def column_amax(x_ptr, src_ptr, seg_ptr, amax_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
                     GATHER: tl.constexpr, SEGMENTS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                    STEPS: tl.constexpr):
+                    STEPS: tl.constexpr, GR: tl.constexpr):
         """amax[b, segment, c] = max |x| over the segment's rows of column c (NaN read as inf). A
         program walks STEPS tiles of BR rows down its columns, keeping the maxima in registers, and
         folds them into the segment's amax (an atomic max) when the segment changes and at its end:
-        one atomic per column a segment and program, not one a tile."""
+        one atomic per column a segment and program, not one a tile. GROUPS: a group starts at a
+        multiple of GR rows, so a tile's maxima are taken per GR rows and folded in that order."""
         pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         running = tl.zeros((BC,), dtype=tl.float32)
         first_row = pr.to(tl.int64) * (BR * STEPS)
-        if SEGMENTS == 2:  # a tile of BR (16) rows lies in one group
+        if SEGMENTS == 2:
             current = tl.load(seg_ptr + first_row).to(tl.int64)  # the grid starts every program inside
         else:
             current = (first_row // 128) if SEGMENTS == 1 else first_row * 0
@@ -99,20 +100,32 @@ def _build():
                 valid = (src >= 0) & (rows < n_rows)
             else:
                 src, valid = rows, rows < n_rows
-            start = first_row + step * BR
-            if SEGMENTS == 2:
-                # past the end: the last row's (its rows are masked out, and nothing is flushed for them)
-                seg = tl.load(seg_ptr + tl.minimum(start, n_rows - 1)).to(tl.int64)
-            else:
-                seg = (start // 128) if SEGMENTS == 1 else current
-            if seg != current:  # the tile opens another segment: the last one's maxima are complete
-                tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running, mask=cols < n_cols)
-                running = tl.zeros((BC,), dtype=tl.float32)
-                current = seg
             x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
                         mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
             a = tl.abs(x.to(tl.float32))
-            running = tl.maximum(running, tl.max(tl.where(a != a, float("inf"), a), axis=0))
+            a = tl.where(a != a, float("inf"), a)
+            start = first_row + step * BR
+            if SEGMENTS == 2:
+                parts = tl.max(tl.reshape(a, (BR // GR, GR, BC)), axis=1)  # [BR // GR, BC]: each GR rows'
+                part_ids = tl.arange(0, BR // GR)
+                for j in tl.static_range(BR // GR):
+                    # past the end: the last row's group (those rows are zeros, and nothing is flushed for them)
+                    seg = tl.load(seg_ptr + tl.minimum(start + j * GR, n_rows - 1)).to(tl.int64)
+                    if seg != current:  # another group opens: the last one's maxima are complete
+                        tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running,
+                                      mask=cols < n_cols)
+                        running = tl.zeros((BC,), dtype=tl.float32)
+                        current = seg
+                    part = tl.max(tl.where((part_ids == j)[:, None], parts, 0.0), axis=0)
+                    running = tl.maximum(running, part)
+            else:
+                seg = (start // 128) if SEGMENTS == 1 else current
+                if seg != current:  # the tile opens another segment: the last one's maxima are complete
+                    tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running,
+                                  mask=cols < n_cols)
+                    running = tl.zeros((BC,), dtype=tl.float32)
+                    current = seg
+                running = tl.maximum(running, tl.max(a, axis=0))
         tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running, mask=cols < n_cols)
 
     @triton.jit
@@ -200,14 +213,13 @@ def column_amax(t: torch.Tensor, segments: int, n_segments: int, source: Optiona
     rows = n_rows if n_rows is not None else t.shape[-2]
     cols = t.shape[-1]
     amax = torch.zeros((batch, n_segments, cols), device=t.device, dtype=torch.float32)
-    br = GROUP_ROWS if segments == GROUPS else AMAX_TILE[0]
+    br, bc, warps = AMAX_TILE
     # rows a program walks: a 128-row segment (TILES_128), else AMAX_ROWS_PER_PROGRAM
     steps = SEGMENT_ROWS // br if segments == TILES_128 else AMAX_ROWS_PER_PROGRAM // br
-    bc, warps = AMAX_TILE[1], AMAX_TILE[2]
     grid = (k["triton"].cdiv(rows, br * steps), k["triton"].cdiv(cols, bc), batch)
     k["column_amax"][grid](t, source if source is not None else t, segment if segment is not None else t, amax, rows,
                            cols, x_batch, x_row, n_segments, GATHER=source is not None, SEGMENTS=segments, BR=br,
-                           BC=bc, STEPS=steps, num_warps=warps)
+                           BC=bc, STEPS=steps, GR=GROUP_ROWS, num_warps=warps)
     return amax
 
 
