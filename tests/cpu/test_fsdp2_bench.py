@@ -75,3 +75,34 @@ def test_tiny_row_on_two_cpu_processes(tmp_path):
     assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
     assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
     assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
+
+
+def test_tp_option_is_checked():
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--tp", "2", "--strategy", "zero3", "--rows", "bf16-eager"])
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--tp", "2", "--nproc", "3"])
+    args = fsdp2_llama.parse_args(["--tp", "2", "--nproc", "4"])
+    assert "--tp" in fsdp2_llama.child_command("bf16-eager", args, Path("x.json"))
+    assert fsdp2_llama.parallelism(dict(tp=2, nproc=4)) == "tensor parallel 2 x FSDP2 2"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_row_on_two_cpu_processes(tmp_path):
+    """--tp 2 on two processes: the meta model sharded with its transformers tp_plan, Accelerate's
+    ParallelismConfig(tp_size=2) set as on a GPU, the native engine's FP8 Linears on the DTensor
+    shards, 4 steps."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", "2", "--tp", "2", "--rows", "fp8plug-native-eager",
+         "--steps", "4", "--warmup", "1", "--json", str(out), *TINY],
+        capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["tp"] == 2 and "tensor parallel 2 over 2" in proc.stdout
+    (row,) = data["rows"]
+    assert row["error"] is None and row["tp_size"] == 2 and row["engine"] == "native"
+    assert row["fp8_gemms"] > 0 and row["high_precision_gemms"] == 0
+    assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
+    assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10 and row["params_not_stepped"] == 0
+    assert row["final_sums"] != row["init_sums"]

@@ -379,6 +379,8 @@ class NativeEngine(Engine):
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         linears = set(report.linears)
+        tensor_parallel.log_converted(sum(tensor_parallel.is_distributed(module.weight) for _, module in listed
+                                          if isinstance(module, nn.Linear)))
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
         if plan.fsdp_float8_all_gather:  # FSDP2, once it shards the model, all-gathers these weights in FP8
             layers = [m for m in model.modules() if isinstance(m, NativeFP8Linear)]

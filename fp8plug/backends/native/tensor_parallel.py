@@ -116,8 +116,18 @@ def sharded_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def tensor_parallel_weights(model: nn.Module):
-    """The fqns of `model`'s Linear layers whose weight is a DTensor (sharded or replicated by a
-    tensor-parallel plan)."""
-    return [fqn for fqn, m in model.named_modules()
-            if isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), DTensor)]
+_LOGGED = []
+
+
+def log_converted(count: int) -> None:
+    """The `fp8plug` log line saying how many converted Linears run on tensor-parallel shards (once
+    per process, on rank 0)."""
+    import logging
+
+    import torch.distributed as dist
+
+    if count and not _LOGGED and (not dist.is_initialized() or dist.get_rank() == 0):
+        _LOGGED.append(True)
+        logging.getLogger("fp8plug").info(
+            "fp8plug: native engine: %d converted Linear layers are tensor-parallel (DTensor weights): each runs its "
+            "FP8 GEMMs on this rank's shards, scaled from them, and keeps its plan's hooks", count)
