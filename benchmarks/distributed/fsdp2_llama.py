@@ -202,18 +202,33 @@ def tp_on_cpu(accelerator, config) -> None:
 def tensor_parallel(model, mesh, replicate_rest: bool) -> None:
     """Shard the meta model with its transformers tp_plan on the `mesh` (1-D, the tp dimension), as
     `from_pretrained(tp_plan="auto")` does, and record tp_size where Accelerate reads it
-    (`config.distributed_config`). With `replicate_rest` (FSDP2 beside it), every parameter the
-    plan leaves plain (the norms) becomes a Replicate DTensor on the mesh, with its module's inputs
-    made Replicate DTensors and its outputs local again: what Accelerate's `_prepare_tp` would do
-    with transformers' `ReplicateParallel`, which transformers 5.24 no longer has."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate
+    (`config.distributed_config`); with `replicate_rest` (FSDP2 beside it), replicate_unsharded."""
     from transformers.integrations.tensor_parallel import apply_tensor_parallelism
 
     apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(dict(model.tp_plan)))
     model.config.distributed_config = {"tp_size": mesh.size()}
-    if not replicate_rest:
-        return
+    if replicate_rest:
+        replicate_unsharded(model, mesh)
+
+
+def replicate_unsharded(model, mesh) -> None:
+    """Make every parameter a tensor-parallel plan left plain (the norms) a Replicate DTensor on the
+    tp `mesh`, with its module's inputs made Replicate DTensors and its outputs local again: what
+    Accelerate 1.15's `_prepare_tp` does under FSDP2 with transformers' `ReplicateParallel`, which
+    transformers 5.24 no longer has. `_prepare_tp` imports that name before it looks at any
+    parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot prepare any model there;
+    with every parameter a DTensor it never uses the class, so a stand-in that refuses to be used
+    is put where it imports it from. Call it before prepare()."""
+    import torch
+    import transformers.integrations.tensor_parallel as hf_tp
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not hasattr(hf_tp, "ReplicateParallel"):
+        class ReplicateParallel:  # imported, never used: every parameter is a DTensor already
+            def prepare_module_tp(self, module, mesh):
+                raise NotImplementedError("fsdp2_llama.replicate_unsharded: a parameter was left plain")
+
+        hf_tp.ReplicateParallel = ReplicateParallel
 
     def inputs(module, args):
         return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)

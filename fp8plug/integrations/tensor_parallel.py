@@ -64,4 +64,4 @@ def check_tensor_parallel(accelerator, model: nn.Module, engine, plan, where: st
     problem = engine.tensor_parallel_problem(plan)
     if problem:
         raise ConversionError(f"{where}tensor parallelism (tp_size={size}) in FP8: {problem}. "
-                              "See docs/distributed.md, 'Tensor parallelism'.")
+                              "See docs/tensor_parallel.md.")

@@ -77,6 +77,17 @@ def _mlp_worker(rank, init_file, out_dir):
             # layer's output matches the unsharded FP8 layer's exactly
             colwise_exact=bool(torch.equal(  # ColwiseParallel hands on this rank's columns
                 sharded[0](x), whole[0](x)[..., rank * 64:(rank + 1) * 64])) if scaling == "rowwise" else None)
+    # unconverted: the plain Linears keep the plan's hooks (the GEMM counters go) and compute in float32
+    fp8plug.unconvert_model(sharded)
+    results["unconverted"] = dict(kinds=[type(m).__name__ for m in sharded],
+                                  hooks=(len(sharded[0]._forward_pre_hooks), len(sharded[2]._forward_hooks)),
+                                  vs_reference=sqnr_db(_run(sharded, x)["out"],
+                                                       reference["out"]))
+    # a layer aligned as a whole but not on its shard (48 out features: 24 a rank) stays, saying why
+    odd = nn.Sequential(nn.Linear(64, 48))
+    parallelize_module(odd, mesh, {"0": ColwiseParallel()})
+    report = fp8plug.convert_model(odd, recipe=fp8plug.FP8RecipeKwargs(backend="native"))
+    results["odd"] = [type(odd[0]).__name__, str(report)]
     # compiled (dynamo + AOTAutograd tracing the DTensor calls; no C++ compiler needed)
     sharded = _mlp().train()
     parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -134,6 +145,11 @@ def test_colwise_rowwise_mlp_in_fp8_matches_the_unsharded_layers(tmp_path):
             assert one[key] >= 28, (scaling, key, one[key])
         assert tp["b2_grad"] > 100  # the rowwise bias counted once: its gradient is exact
     assert results["rowwise"]["colwise_exact"]
+    unconverted = results["unconverted"]
+    assert unconverted["kinds"] == ["Linear", "ReLU", "Linear"] and unconverted["hooks"] == (1, 1), unconverted
+    assert unconverted["vs_reference"] > 100, unconverted  # the plan still reduces: float32 TP == float32
+    kind, report = results["odd"]
+    assert kind == "Linear" and "out_features=24 on each tensor-parallel shard" in report, report
     compiled = results["compiled_vs_eager"]
     assert all(v > 100 for v in compiled.values()), compiled  # the same FP8 GEMMs, traced
 
@@ -158,10 +174,10 @@ def _llama_worker(rank, init_file, out_dir):
     batches = [torch.randint(0, 128, (4, 64), generator=gen) for _ in range(3)]
     steps = 12
     result = {}
-    for mode in ("high", "fp8"):
+    for mode in ("high", "fp8", "fp8-compiled"):
         model = AutoModelForCausalLM.from_pretrained(Path(out_dir, "llama"), tp_plan="auto", device_mesh=mesh,
                                                      dtype=torch.float32)
-        if mode == "fp8":
+        if mode != "high":
             recipe = fp8plug.FP8RecipeKwargs(backend="native")  # delayed scaling: amaxes all-reduced each step
             fp8plug.convert_model(model, recipe=recipe)
             fp8plug.apply_fp8_autowrap(model, recipe)
@@ -170,6 +186,8 @@ def _llama_worker(rank, init_file, out_dir):
             result["forward_rebound"] = any(c is down for c in cells) and type(down).__name__ == "NativeFP8Linear"
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if mode == "fp8-compiled":  # dynamo + AOTAutograd through transformers' forward wrappers and DTensor
+            model = torch.compile(model, backend="aot_eager")
         losses = []
         for step in range(steps):
             ids = batches[step % len(batches)]
@@ -198,10 +216,12 @@ def test_transformers_llama_with_its_tp_plan_trains_in_fp8(tmp_path):
     assert result["forward_rebound"]  # transformers' replaced forward now calls the FP8 module
     assert result["fp8_gemms"] > 0 and result["hp_gemms"] == 0, result
     assert result["same_scales"]  # delayed scaling: one scale on both ranks after the end-of-step all-reduce
-    high, fp8 = result["high"], result["fp8"]
+    high, fp8, compiled = result["high"], result["fp8"], result["fp8-compiled"]
     assert fp8[-1] < fp8[0] - 0.5, fp8  # it trains
     for a, b in zip(high, fp8):
         assert abs(b - a) / a < 0.02, (high, fp8)  # within 2% of the float32 TP run, step by step
+    for a, b in zip(fp8, compiled):
+        assert abs(b - a) / a < 0.002, (fp8, compiled)  # compiled: the same FP8 steps
 
 
 @pytest.mark.parametrize("backend", ["ao", "te", "msamp"])
