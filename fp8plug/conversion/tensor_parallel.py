@@ -5,8 +5,9 @@ Under tensor parallelism every Linear's weight is a DTensor shard and the shardi
 (or transformers' replaced `forward`) sit on the Linear module itself. Conversion carries those
 over to the FP8 module (fp8plug.layers.carry_over); whether the FP8 module then runs on DTensor
 shards is the engine's to say (`Engine.tensor_parallel_problem`: the native engine's does,
-backends/native/tensor_parallel.py). prepare() asks before converting anything and refuses, naming
-the engine and the fix, where the engine cannot.
+backends/native/tensor_parallel.py). Every conversion plan asks (fp8plug.conversion.plan), and
+fp8plug.Accelerator.prepare() asks again before converting anything, with its ParallelismConfig;
+where the engine cannot, they refuse, naming the engine and the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fp8plug.layers.rules import ConversionError
 
 def tensor_parallel_size(accelerator, model: nn.Module) -> Optional[int]:
     """The tensor-parallel degree `model` trains with: the Accelerator's ParallelismConfig tp_size
-    where above 1, else what transformers recorded when it sharded the model, else 2 or more
+    where above 1 (`accelerator` None: none), else what transformers recorded when it sharded the model, else 2 or more
     where a Linear's weight is a DTensor before any FSDP sharding (a user's parallelize_module);
     None without tensor parallelism."""
     config = getattr(accelerator, "parallelism_config", None)
@@ -56,8 +57,9 @@ def _transformers_tp_size(model: nn.Module) -> Optional[int]:
 
 
 def check_tensor_parallel(accelerator, model: nn.Module, engine, plan, where: str = "") -> None:
-    """Refuse to convert `model` for FP8 training under tensor parallelism where `engine` cannot run
-    it under `plan` (Engine.tensor_parallel_problem), naming the engine and the fix."""
+    """Refuse to convert `model` for FP8 training under tensor parallelism (tensor_parallel_size;
+    `accelerator` None: from the model alone) where `engine` cannot run it under `plan`
+    (Engine.tensor_parallel_problem), naming the engine and the fix."""
     size = tensor_parallel_size(accelerator, model)
     if size is None:
         return
