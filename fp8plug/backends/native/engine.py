@@ -3,10 +3,11 @@
 Per-tensor scaling, dynamic or delayed with TransformerEngine's DelayedScaling semantics
 (backends.native.scaling), or finer: per row or per tile and block (backends.native.granular);
 the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU
-(backends.gemm). Scaling state lives in non-persistent buffers, so the state
-dict is the plain Linear's, and the forward is branch-free tensor code that compiles with
-fullgraph=True. Eagerly on CUDA it also does what torch.compile would: Llama-style RMSNorms fused
-(backends.native.fused_norm) and one cast per shared input (backends.native.shared_input).
+(backends.gemm); on tensor-parallel DTensor shards too (backends.native.tensor_parallel). Scaling
+state lives in non-persistent buffers, so the state dict is the plain Linear's, and the forward is
+branch-free tensor code that compiles with fullgraph=True. Eagerly on CUDA it also does what
+torch.compile would: Llama-style RMSNorms fused (backends.native.fused_norm) and one cast per
+shared input (backends.native.shared_input).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class NativeFP8Linear(nn.Linear):
     stay valid) and state-dict keys. FP8 runs in training mode, or as an enclosing
     `native_fp8_autocast` says; otherwise the layer runs in high precision. Any token count runs
     in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
+    Under tensor parallelism (a DTensor weight and input) the GEMMs run on this rank's shards and
+    the output is the DTensor the plan expects (backends.native.tensor_parallel).
 
     Delayed scaling (fp8plug.backends.native.scaling): during a step the layer records amaxes and
     casts with the scales set at the end of the previous step; the end of every optimizer step
