@@ -33,6 +33,18 @@ place before sharding) or `-eager`. Each row is one `python -m torch.distributed
 launch with empty inductor/triton caches; this parent rewrites --json after each row, skips rows
 --deadline leaves no time for, and ends a row at --timeout (keeping the steps it finished).
 
+`--tp N` trains every row tensor-parallel: Accelerate's ParallelismConfig(tp_size=N,
+dp_shard_size=nproc/N) (FSDP2 over the dp_shard dimension where that is above 1), the meta model
+sharded first with its transformers tp_plan (q/k/v/gate/up colwise, o/down rowwise, the embedding
+and lm_head as transformers' plan says: `tensor_parallel`), each tensor-parallel group given the
+same batches. The fp8plug rows then run the native engine's FP8 Linear on the DTensor shards
+(fp8plug/backends/native/tensor_parallel.py); tok/s per GPU counts a group's tokens once (divided
+by N). The rows to compare are bf16 and fp8plug (native), compiled whole and regional:
+
+    python3 benchmarks/distributed/fsdp2_llama.py --nproc 4 --tp 2 --steps 12 --warmup 3 --json out/tp2.json \\
+        --rows bf16-usercompiled,bf16-regional,fp8plug-usercompiled,fp8plug-regional,fp8plug-native-usercompiled
+    python3 benchmarks/distributed/fsdp2_llama.py --nproc 2 --tp 2 --steps 12 --warmup 3 --rows bf16-eager,fp8plug-eager
+
 `--strategy zero3` runs the same rows under DeepSpeed ZeRO-3 instead (Accelerate's
 DeepSpeedPlugin(zero_stage=3), bf16, the same model, batch, optimizer and schedule): the model is
 built inside `deepspeed.zero.Init`, so each layer is partitioned as it is constructed and no rank
@@ -162,11 +174,19 @@ def flops_per_token(spec: dict) -> float:
 # --- one row: every rank of a torch.distributed.run launch runs this --------------------------------
 
 
-def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "fsdp2", spec: dict = None):
+def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "fsdp2", spec: dict = None,
+                     tp: int = 1):
     """The row's Accelerator, with the FSDP2 plugin every row shares (or, `strategy` "zero3", the
-    DeepSpeed ZeRO-3 plugin) and its compile mode."""
+    DeepSpeed ZeRO-3 plugin) and its compile mode; with `tp` above 1, Accelerate's
+    ParallelismConfig(tp_size=tp, dp_shard_size=world/tp), FSDP2 only where dp_shard_size is above 1."""
     import accelerate
-    from accelerate.utils import AORecipeKwargs, FullyShardedDataParallelPlugin, TERecipeKwargs, TorchDynamoPlugin
+    from accelerate.utils import (
+        AORecipeKwargs,
+        FullyShardedDataParallelPlugin,
+        ParallelismConfig,
+        TERecipeKwargs,
+        TorchDynamoPlugin,
+    )
 
     base, mode = row.rsplit("-", 1)
     kind, precision, engine, options = BASES[base]
@@ -194,13 +214,77 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
         cls = accelerate.Accelerator
         handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
     dynamo = TorchDynamoPlugin(backend=backend, use_regional_compilation=True) if mode == "regional" else None
+    dp_shard = int(os.environ.get("WORLD_SIZE", "1")) // tp
+    config = ParallelismConfig(tp_size=tp, dp_shard_size=dp_shard) if tp > 1 else None
+    if dp_shard == 1 and tp > 1:
+        plugin = None  # tensor parallelism alone
+    cpu = device_type == "cpu"
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, fsdp_plugin=plugin, dynamo_plugin=dynamo,
-                      cpu=device_type == "cpu")
-    if device_type == "cpu":
+                      cpu=cpu, **({"parallelism_config": config} if config and not cpu else {}))
+    if cpu and plugin is not None:
         fsdp_on_cpu(accelerator, plugin)
-    if not accelerator.is_fsdp2:
+    if cpu and config is not None:
+        tp_on_cpu(accelerator, config)
+    if plugin is not None and not accelerator.is_fsdp2:
         raise RuntimeError(f"Accelerate did not turn FSDP2 on (distributed type {accelerator.distributed_type})")
     return accelerator
+
+
+def tp_on_cpu(accelerator, config) -> None:
+    """For the CPU tests: accelerate 1.15 refuses a ParallelismConfig on CPU processes
+    (`_validate_accelerator`: DistributedType.MULTI_CPU), while DTensor and the tensor-parallel
+    plan run over gloo; so the config and its mesh are set on the state by hand, as the
+    Accelerator's constructor would have set them."""
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh("cpu")
+
+
+def tensor_parallel(model, mesh, replicate_rest: bool) -> None:
+    """Shard the meta model with its transformers tp_plan on the `mesh` (1-D, the tp dimension), as
+    `from_pretrained(tp_plan="auto")` does, and record tp_size where Accelerate reads it
+    (`config.distributed_config`); with `replicate_rest` (FSDP2 beside it), replicate_unsharded."""
+    from transformers.integrations.tensor_parallel import apply_tensor_parallelism
+
+    apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(dict(model.tp_plan)))
+    model.config.distributed_config = {"tp_size": mesh.size()}
+    if replicate_rest:
+        replicate_unsharded(model, mesh)
+
+
+def replicate_unsharded(model, mesh) -> None:
+    """Make every parameter a tensor-parallel plan left plain (the norms) a Replicate DTensor on the
+    tp `mesh`, with its module's inputs made Replicate DTensors and its outputs local again: what
+    Accelerate 1.15's `_prepare_tp` does under FSDP2 with transformers' `ReplicateParallel`, which
+    transformers 5.24 no longer has. `_prepare_tp` imports that name before it looks at any
+    parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot prepare any model there;
+    with every parameter a DTensor it never uses the class, so a stand-in that refuses to be used
+    is put where it imports it from. Call it before prepare()."""
+    import torch
+    import transformers.integrations.tensor_parallel as hf_tp
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not hasattr(hf_tp, "ReplicateParallel"):
+        class ReplicateParallel:  # imported, never used: every parameter is a DTensor already
+            def prepare_module_tp(self, module, mesh):
+                raise NotImplementedError("fsdp2_llama.replicate_unsharded: a parameter was left plain")
+
+        hf_tp.ReplicateParallel = ReplicateParallel
+
+    def inputs(module, args):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+    def outputs(module, args, out):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for module in list(model.modules()):
+        plain = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        for name, param in plain:
+            module.register_parameter(name, torch.nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
+                                                                                  run_check=False)))
+        if plain:
+            module.register_forward_pre_hook(inputs)
+            module.register_forward_hook(outputs)
 
 
 def zero3_plugin(spec: dict):
@@ -375,7 +459,7 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     device_type = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and device_type != "cuda":
         raise RuntimeError("--device cuda: no CUDA device")
-    accelerator = make_accelerator(row, args.compile_backend, device_type, args.strategy, spec)
+    accelerator = make_accelerator(row, args.compile_backend, device_type, args.strategy, spec, args.tp)
     world, device = accelerator.num_processes, accelerator.device
     cuda = device.type == "cuda"
     out = dict(device=torch.cuda.get_device_name(device) if cuda else "CPU", world_size=world, strategy=args.strategy)
@@ -388,9 +472,16 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
         skip_causal_mask(model)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     params = sum(p.numel() for p in model.parameters())
+    if args.tp > 1:
+        tensor_parallel(model, accelerator.torch_device_mesh["tp"], replicate_rest=accelerator.is_fsdp2)
+        out["tp_size"] = args.tp
+        if not accelerator.is_fsdp2:  # the FSDP2 plugin's activation checkpointing, per decoder layer, here
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda)
     scheduler = warmup_schedule(optimizer, args.steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # tensor parallelism without FSDP2: the model stays on meta through prepare (materialised below)
+    placement = [False] * 3 if args.tp > 1 and not accelerator.is_fsdp2 else None
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler, device_placement=placement)
     materialise(model, device)
     rebind_optimizer(optimizer, model)
     out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
@@ -449,9 +540,10 @@ def precision_facts(model, accelerator) -> dict:
 
 
 def train_batches(spec: dict, args, rank: int):
-    """This rank's batches, (steps, batch, seq) token ids: hf_llama_task's synthetic task, or with
-    --data text windows of real text (benchmarks/training/real_text.py's corpus of site-packages
-    sources and its BPE tokenizer, made once by the parent in --text-cache), each rank its own seed."""
+    """The batches of data-parallel rank `rank`, (steps, batch, seq) token ids: hf_llama_task's
+    synthetic task, or with --data text windows of real text (benchmarks/training/real_text.py's
+    corpus of site-packages sources and its BPE tokenizer, made once by the parent in --text-cache),
+    each rank its own seed."""
     import torch
 
     if args.data == "synthetic":
@@ -480,7 +572,8 @@ def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: f
 
     rank, device = accelerator.process_index, accelerator.device
     cuda = device.type == "cuda"
-    data = train_batches(spec, args, rank).to(device)
+    tp = getattr(args, "tp", 1)
+    data = train_batches(spec, args, rank // tp).to(device)  # a tensor-parallel group trains on one batch
     if cuda:
         out["after_init_gb"] = torch.cuda.memory_allocated(device) / 1e9
     ms, losses = [], []
@@ -504,6 +597,7 @@ def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: f
         if rank == 0:
             write_json(args.json + ".progress", dict(out, step_ms_all=ms, losses=[x.item() for x in losses]))
     out.update(step_numbers(spec, args.steps, args.warmup, ms, losses))
+    out["tokens_per_s"] /= tp  # the tp GPUs of a group train one batch
     out["loss_last"] = losses[-1].item()
     out["losses"] = [round(x, 5) for x in torch.stack(losses).tolist()]  # rank 0's, every step
     out["step_ms_all"] = [round(x, 2) for x in ms]
@@ -565,7 +659,8 @@ def child_command(row: str, args, path: Path) -> list:
             "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--device", args.device,
             "--compile-backend", args.compile_backend, "--strategy", args.strategy,
-            "--peak-tflops", str(args.peak_tflops), "--profile", str(args.profile), "--t0", str(time.time())]
+            "--peak-tflops", str(args.peak_tflops), "--tp", str(args.tp), "--profile", str(args.profile),
+            "--t0", str(time.time())]
 
 
 def stop(proc, tmp: Path) -> None:
@@ -601,7 +696,7 @@ def partial(row: str, tmp: Path, args, why: str) -> dict:
         result.update(data, steps_done=len(ms), step_ms_all=[round(x, 2) for x in ms])
         if len(ms) > args.warmup:
             result["step_ms"] = statistics.median(ms[args.warmup:])
-            result["tokens_per_s"] = args.spec["batch"] * args.spec["seq"] / (result["step_ms"] / 1e3)
+            result["tokens_per_s"] = args.spec["batch"] * args.spec["seq"] / (result["step_ms"] / 1e3) / args.tp
             result["mfu"] = result["tokens_per_s"] * flops_per_token(args.spec) / (args.peak_tflops * 1e12)
             result["loss"] = sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:])
         result["error"] = f"{why} after {len(ms)} of {args.steps} steps"
@@ -669,6 +764,15 @@ def run_rows(args, meta: dict) -> list:
     return rows
 
 
+def parallelism(meta: dict) -> str:
+    """How the rows shard the model, in words, for the table's heading."""
+    tp = meta.get("tp", 1)
+    if tp <= 1:
+        return "FSDP2" if meta.get("strategy", "fsdp2") == "fsdp2" else "DeepSpeed ZeRO-3"
+    dp_shard = meta["nproc"] // tp
+    return f"tensor parallel {tp}" + (f" x FSDP2 {dp_shard}" if dp_shard > 1 else "")
+
+
 def table(meta: dict, rows: list) -> str:
     def f(value, spec, suffix=""):
         return "-" if value is None else format(value, spec) + suffix
@@ -679,7 +783,7 @@ def table(meta: dict, rows: list) -> str:
     floor = meta.get("loss_floor")
     lines = [
         f"{meta.get('model', 'llama')}: {s['layers']} layers, hidden {s['hidden']}, {ffn}, "
-        f"{s['heads']}/{s['kv_heads']} heads, vocab {s['vocab']}; FSDP2 over {meta['nproc']} x "
+        f"{s['heads']}/{s['kv_heads']} heads, vocab {s['vocab']}; {parallelism(meta)} over {meta['nproc']} x "
         f"{meta.get('device') or '-'}, batch {s['batch']} x {s['seq']} tokens per GPU"
         f"{', per-layer activation checkpointing' if s.get('checkpointing', True) else ''}; {meta['steps']} steps "
         f"({meta['warmup']} warm-up) on {meta.get('data', 'synthetic')} data; MFU at {meta['peak_tflops']:g} TFLOP/s, "
@@ -722,6 +826,8 @@ def parse_args(argv=None):
     p.add_argument("--text-cache", default=str(TEXT_CACHE), help="--data text: where the tokenized corpus is kept")
     p.add_argument("--strategy", choices=("fsdp2", "zero3"), default="fsdp2",
                    help="FSDP2 through Accelerate (default), or DeepSpeed ZeRO-3 (rows -eager, -usercompiled)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ParallelismConfig(tp_size=TP, "
+                   "dp_shard_size=nproc/TP) and the model's tp_plan (default 1: FSDP2 alone)")
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list (default {DEFAULT_ROWS}); rows: "
                    + ", ".join(ALL_ROWS))
     p.add_argument("--nproc", type=int, default=0, help="processes (GPUs) per row; default every visible GPU (CPU: 2)")
@@ -761,6 +867,10 @@ def parse_args(argv=None):
     chosen = [args.row] if args.row else args.rows.split(",")
     if args.strategy == "zero3" and any(r.strip().endswith("-regional") for r in chosen):
         p.error("--strategy zero3: regional compilation is FSDP2's; use -eager or -usercompiled rows")
+    if args.tp > 1 and args.strategy == "zero3":
+        p.error("--tp: tensor parallelism runs with --strategy fsdp2 (Accelerate's ParallelismConfig)")
+    if args.tp > 1 and args.nproc > 0 and args.nproc % args.tp:
+        p.error(f"--tp {args.tp}: --nproc {args.nproc} must divide by it (dp_shard_size = nproc / tp)")
     if not 1 <= args.warmup < args.steps:
         p.error("--warmup must be at least 1 and below --steps")
     if args.spec["hidden"] % args.spec["heads"] or args.spec["heads"] % args.spec["kv_heads"]:
@@ -776,8 +886,8 @@ def main(argv=None) -> int:
         import torch
 
         args.nproc = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 2
-    meta = dict(model=args.model, spec=args.spec, strategy=args.strategy, nproc=args.nproc, steps=args.steps,
-                warmup=args.warmup, lr=args.lr, data=args.data,
+    meta = dict(model=args.model, spec=args.spec, strategy=args.strategy, nproc=args.nproc, tp=args.tp,
+                steps=args.steps, warmup=args.warmup, lr=args.lr, data=args.data,
                 loss_floor=loss_floor(args.spec) if args.data == "synthetic" else None, peak_tflops=args.peak_tflops,
                 flops_per_token=flops_per_token(args.spec), compile_backend=args.compile_backend, versions=versions(),
                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -294,6 +294,16 @@ class Engine:
         applies whatever the recipe's (the conversion report says it). Default: none."""
         return f"the {self.name} engine has no grouped FP8 GEMM"
 
+    def tensor_parallel_problem(self, plan) -> Optional[str]:
+        """Why this engine cannot train a tensor-parallel model (Linears whose weights a sharding plan
+        made DTensors: Accelerate's ParallelismConfig(tp_size=N), a transformers `tp_plan`, torch's
+        parallelize_module) under `plan`, naming the fix; None where it can. Asked before a
+        tensor-parallel model is converted (fp8plug.conversion.tensor_parallel). Default: it cannot."""
+        return (f"the {self.title} engine (backend={self.name!r}) has no FP8 Linear that runs on DTensor shards. "
+                "Use backend='native', whose FP8 Linear runs tensor-parallel layers; or train with tp_size=1 and "
+                "shard with FSDP2 (ParallelismConfig(dp_shard_size=<number of GPUs>) or "
+                "FullyShardedDataParallelPlugin(fsdp_version=2))")
+
     def unconvert(self, model: nn.Module) -> nn.Module:
         """Swap this engine's modules back for plain torch modules with the same weights."""
         raise NotImplementedError

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Tuple
 from torch import nn
 
 from fp8plug.backends.base import Engine
+from fp8plug.conversion.tensor_parallel import check_tensor_parallel
 from fp8plug.hf.experts import decide_experts
 from fp8plug.layers.rules import ConversionError, ModuleDecision, ModulePlan, decide_modules
 from fp8plug.recipe.plans import Plan
@@ -55,6 +56,7 @@ def plan_model(model: nn.Module, engine: Engine, plan: Plan, *, linear: bool = T
     `linear`, the norms the engine converts unless `norm` is False (True: and a warning where
     the engine converts none of the model's norms), its experts with the Linears. Nothing of
     `model` changes; a model that cannot be converted as asked is refused here."""
+    check_tensor_parallel(None, model, engine, plan, "cannot convert to FP8: ")
     settings = MappingProxyType(conversion_settings(engine, plan))
     modules = decide_modules(model, engine, plan, linear, norm is not False)
     warnings = _norms_left(model, modules) if norm else ()

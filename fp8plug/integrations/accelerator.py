@@ -48,11 +48,11 @@ from fp8plug.checkpoints import resume
 from fp8plug.checkpoints.state import FP8CheckpointState, install_plain_state_dict
 from fp8plug.conversion.apply import apply_plan
 from fp8plug.conversion.plan import check_converted_like, plan_model
+from fp8plug.conversion.tensor_parallel import check_tensor_parallel
 from fp8plug.coverage import fp8_coverage, log_selection
 from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
-from fp8plug.integrations.tensor_parallel import check_no_tensor_parallel
 from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
 from fp8plug.numerics.watch import numerics_stats, watch_of
 from fp8plug.recipe.engines import BACKENDS, listed
@@ -210,8 +210,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
                 )
         for i in new_models:
             check_convertible(_compiled_inner(args[i]) or args[i], f"prepare(): argument {i}: ")
-            check_no_tensor_parallel(self, _compiled_inner(args[i]) or args[i], self.fp8_engine,
-                                     f"prepare(): argument {i}: ")
+            check_tensor_parallel(self, _compiled_inner(args[i]) or args[i], self.fp8_engine, self.fp8_plan,
+                                  f"prepare(): argument {i}: ")
             check_converted_like(_compiled_inner(args[i]) or args[i], self.fp8_engine, self.fp8_plan,
                                  f"prepare(): argument {i}: ")
         deepspeed = ds.is_deepspeed(self)

@@ -20,6 +20,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torch import nn
 
+from fp8plug.layers.carry_over import carry_over
 from fp8plug.layers.ddp_buffers import ignore_in_ddp  # noqa: F401  (engines import it from here)
 from fp8plug.layers.fused_heads import fused_heads
 from fp8plug.layers.gemm_counts import count_gemms, has_gemm_counter
@@ -73,15 +74,33 @@ def refuse_unusable_linear(fqn: str, module: nn.Linear) -> None:
         )
 
 
+def local_features(module: nn.Linear) -> Tuple[int, int]:
+    """(in_features, out_features) of this rank's part of `module`'s weight: the whole layer's,
+    or the shard a tensor-parallel plan left on this rank where its weight is a DTensor."""
+    weight = getattr(module, "weight", None)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        DTensor = ()
+    if isinstance(weight, DTensor):
+        out_features, in_features = weight.to_local().shape
+        return in_features, out_features
+    return module.in_features, module.out_features
+
+
 def linear_alignment_problem(module: nn.Linear) -> Optional[str]:
-    """Why an nn.Linear cannot run FP8 GEMMs, or None if its shape is fine."""
+    """Why an nn.Linear cannot run FP8 GEMMs, or None if its shape is fine (on this rank's shard
+    under tensor parallelism: local_features)."""
+    in_features, out_features = local_features(module)
+    sharded = (in_features, out_features) != (module.in_features, module.out_features)
     bad = [
         f"{name}={value}"
-        for name, value in (("in_features", module.in_features), ("out_features", module.out_features))
+        for name, value in (("in_features", in_features), ("out_features", out_features))
         if value % ALIGNMENT
     ]
     if bad:
-        return f"{' and '.join(bad)} not divisible by {ALIGNMENT} (FP8 GEMMs need aligned shapes)"
+        where = " on each tensor-parallel shard" if sharded else ""
+        return f"{' and '.join(bad)}{where} not divisible by {ALIGNMENT} (FP8 GEMMs need aligned shapes)"
     return None
 
 
@@ -293,11 +312,15 @@ def module_paths(model: nn.Module) -> Dict[str, List[str]]:
 def replace_module(model: nn.Module, fqn: str, new: nn.Module, paths: Optional[Dict[str, List[str]]] = None) -> None:
     """Put `new` where `fqn` is in `model`, and under every other name of the module there
     (`paths`, from module_paths taken before any replacement, or worked out now), so that aliases
-    keep pointing at one module. The root itself cannot be replaced in place."""
+    keep pointing at one module, with the hooks and attributes a sharding plan or another wrapper
+    put on the module replaced (layers.carry_over). The root itself cannot be replaced in place."""
     if not fqn:
         raise ConversionError("the model itself is a single convertible layer; wrap it in a container first.")
     if paths is None:
         paths = module_paths(model)
+    old = model.get_submodule(fqn)
+    if old is not new:  # what a sharding plan or another wrapper put on it (layers.carry_over)
+        carry_over(old, new)
     for path in paths.get(fqn, [fqn]):
         parent_name, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -133,3 +133,38 @@ def test_moe_rows_on_real_text_on_two_cpu_processes(tmp_path):
     assert fp8["fp8_gemms"] == 6 * (8 + 2 * 2) and fp8["high_precision_gemms"] == 0
     assert fp8["loss_vs_bf16_of"] == "bf16-usercompiled" and abs(fp8["loss_vs_bf16_pct"]) < 5
     assert "| fp8plug-native-usercompiled | native |" in proc.stdout and "| 2/2 |" in proc.stdout
+
+
+def test_tp_option_is_checked():
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--tp", "2", "--strategy", "zero3", "--rows", "bf16-eager"])
+    with pytest.raises(SystemExit):
+        fsdp2_llama.parse_args(["--tp", "2", "--nproc", "3"])
+    args = fsdp2_llama.parse_args(["--tp", "2", "--nproc", "4"])
+    assert "--tp" in fsdp2_llama.child_command("bf16-eager", args, Path("x.json"))
+    assert fsdp2_llama.parallelism(dict(tp=2, nproc=4)) == "tensor parallel 2 x FSDP2 2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tensor_parallel_row_on_cpu_processes(tmp_path, nproc):
+    """--tp 2 on two processes (tensor parallelism alone) and four (tp 2 x FSDP2 2): the meta model
+    sharded with its transformers tp_plan, Accelerate's ParallelismConfig(tp_size=2,
+    dp_shard_size=nproc/2) set as on a GPU, the native engine's FP8 Linears on the DTensor shards
+    (under FSDP2: the weights FSDP2 unsharded onto the tp mesh), 4 steps."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", str(nproc), "--tp", "2", "--rows",
+         "fp8plug-native-eager",
+         "--steps", "4", "--warmup", "1", "--json", str(out), *TINY],
+        capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    heading = "tensor parallel 2 over 2" if nproc == 2 else "tensor parallel 2 x FSDP2 2 over 4"
+    assert data["meta"]["tp"] == 2 and heading in proc.stdout
+    (row,) = data["rows"]
+    assert row["error"] is None and row["tp_size"] == 2 and row["engine"] == "native"
+    assert row["fp8_gemms"] > 0 and row["high_precision_gemms"] == 0
+    assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
+    assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10 and row["params_not_stepped"] == 0
+    assert row["final_sums"] != row["init_sums"] and row["world_size"] == nproc

@@ -3,10 +3,11 @@
 Per-tensor scaling, dynamic or delayed with TransformerEngine's DelayedScaling semantics
 (backends.native.scaling), or finer: per row or per tile and block (backends.native.granular);
 the three GEMMs through `torch._scaled_mm` on CUDA sm_89+ and its exact emulation on the CPU
-(backends.gemm). Scaling state lives in non-persistent buffers, so the state
-dict is the plain Linear's, and the forward is branch-free tensor code that compiles with
-fullgraph=True. Eagerly on CUDA it also does what torch.compile would: Llama-style RMSNorms fused
-(backends.native.fused_norm) and one cast per shared input (backends.native.shared_input).
+(backends.gemm); on tensor-parallel DTensor shards too (backends.native.tensor_parallel). Scaling
+state lives in non-persistent buffers, so the state dict is the plain Linear's, and the forward is
+branch-free tensor code that compiles with fullgraph=True. Eagerly on CUDA it also does what
+torch.compile would: Llama-style RMSNorms fused (backends.native.fused_norm) and one cast per
+shared input (backends.native.shared_input).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fp8plug.backends.base import Engine, Probe
-from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular, transposed_cast
+from fp8plug.backends.native import fsdp_fp8, fused_cast, fused_norm, granular, tensor_parallel, transposed_cast
 from fp8plug.backends.native.cast import cast_operand as _cast  # the rule for one operand (the name tests patch)
 from fp8plug.backends.native.fp8_matmul import GemmConfig, _FP8Linear
 from fp8plug.backends.native.frozen_base import FrozenFP8Linear
@@ -37,6 +39,7 @@ from fp8plug.layers.rules import (
     Eligibility,
     ignore_in_ddp,
     linear_alignment_problem,
+    local_features,
     plain_linear,
     planned_modules,
     replace_module,
@@ -65,6 +68,8 @@ class NativeFP8Linear(nn.Linear):
     stay valid) and state-dict keys. FP8 runs in training mode, or as an enclosing
     `native_fp8_autocast` says; otherwise the layer runs in high precision. Any token count runs
     in FP8: the rows are zero-padded to the GEMM's alignment of 16 and the padding sliced off.
+    Under tensor parallelism (a DTensor weight and input) the GEMMs run on this rank's shards and
+    the output is the DTensor the plan expects (backends.native.tensor_parallel).
 
     Delayed scaling (fp8plug.backends.native.scaling): during a step the layer records amaxes and
     casts with the scales set at the end of the previous step; the end of every optimizer step
@@ -165,10 +170,13 @@ class NativeFP8Linear(nn.Linear):
     def fp8_active(self) -> bool:
         return fp8_now(self.training)
 
-    def runs_fp8(self, x: torch.Tensor) -> bool:
-        """Whether a call on `x` runs its GEMMs in FP8 (the test `forward` makes)."""
-        return (self.fp8_active() and token_count(x) > 0 and not x.shape[-1] % ALIGNMENT
-                and not self.out_features % ALIGNMENT)
+    def runs_fp8(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
+        """Whether a call on `x` (with `weight`, this layer's by default) runs its GEMMs in FP8 (the
+        test `forward` makes): in FP8's region, with tokens, and features aligned on this rank's
+        shards where tensor parallelism splits them (backends.native.tensor_parallel)."""
+        weight = self.weight if weight is None else weight
+        return (self.fp8_active() and token_count(x) > 0 and not tensor_parallel.local_shape(x)[-1] % ALIGNMENT
+                and not tensor_parallel.local_shape(weight)[0] % ALIGNMENT)
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -177,20 +185,28 @@ class NativeFP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.materialise_fp8_state()
-        if not self.runs_fp8(x):
-            return super().forward(x)
+        if tensor_parallel.is_distributed(self.weight, x):  # tensor parallelism: the GEMMs on this rank's shards
+            return tensor_parallel.sharded_forward(self, x)
+        return self.local_forward(x, self.weight, self.bias)
+
+    def local_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The layer on plain tensors: x @ weight.T + bias, in FP8 where `runs_fp8` says so. `weight`
+        and `bias` are the layer's own, or this rank's shards of them under tensor parallelism."""
+        if not self.runs_fp8(x, weight):
+            return F.linear(x, weight, bias)
         if self.granular:  # per-row or per-tile scales (backends.native.granular)
-            forward = lambda rows: granular.granular_forward(self, rows, self._out_dtype(x))  # noqa: E731
+            out_dtype = self._out_dtype(x)
+            forward = lambda rows: granular.granular_forward(self, rows, out_dtype, weight, bias)  # noqa: E731
             return pad_tokens(forward, x, granular.token_multiple(self.granular))
         # any token count: rows zero-padded to 16 and the padding sliced off (backends.padding)
-        return pad_tokens(self._fp8_forward, x, ALIGNMENT)
+        return pad_tokens(lambda rows: self._fp8_forward(rows, weight, bias), x, ALIGNMENT)
 
-    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         # the input's transposed copy feeds only the weight gradient: none for a frozen weight
-        wgrad = self.weight.requires_grad and torch.is_grad_enabled()
+        wgrad = weight.requires_grad and torch.is_grad_enabled()
         *x_cast, x_amax = self._cast_operand(INPUT, x2, transposed=wgrad, source=x)
-        *w_cast, w_amax = self._cast_operand(WEIGHT, self.weight)
+        *w_cast, w_amax = self._cast_operand(WEIGHT, weight)
         grad_record = None
         if self.delayed and self.training:  # only delayed tensors keep a history
             delayed = self.delayed_slots
@@ -208,10 +224,10 @@ class NativeFP8Linear(nn.Linear):
             grad_scale = torch.where(self.fp8_step[GRAD_OUTPUT] > 0, grad_scale, torch.zeros_like(grad_scale))
         out_dtype = self._out_dtype(x)
         config = GemmConfig(out_dtype, self.bwd_dtype, self.override_linear_precision, grad_mode, self.margin)
-        out = _FP8Linear.apply(x2, self.weight, tuple(x_cast), tuple(w_cast), grad_scale, grad_record, config)
-        if self.bias is not None:
-            out = out + self.bias.to(out_dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = _FP8Linear.apply(x2, weight, tuple(x_cast), tuple(w_cast), grad_scale, grad_record, config)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def _cast_operand(self, slot: int, t: torch.Tensor, transposed: bool = True, source=None):
         """(FP8, transposed FP8 or None, scale, amax) of forward operand `slot` (INPUT or WEIGHT):
@@ -347,8 +363,7 @@ class NativeEngine(Engine):
             def linear_problem(m):
                 scaling = plan.scaling_for(word_for(plan.layer_scaling, names.get(id(m), "")))
                 return linear_alignment_problem(m) or (
-                    granular.feature_problem(scaling, m.in_features, m.out_features) if isinstance(scaling, str)
-                    else None)
+                    granular.feature_problem(scaling, *local_features(m)) if isinstance(scaling, str) else None)
             checks[nn.Linear] = linear_problem
         return Eligibility(checks, unfiltered=norms, module_filter_fn=bf16_filter(plan.layer_scaling,
                                                                                   plan.module_filter_fn),
@@ -367,6 +382,8 @@ class NativeEngine(Engine):
         # Per-rank recorded amaxes must never be overwritten by DDP's broadcast of rank 0's buffers
         # (the scales are identical on every rank anyway once reduced).
         linears = set(report.linears)
+        tensor_parallel.log_converted(sum(tensor_parallel.is_distributed(module.weight) for _, module in listed
+                                          if isinstance(module, nn.Linear)))
         ignore_in_ddp(model, [f"{fqn}.{name}" for fqn in report.converted if fqn in linears for name in STATE_BUFFERS])
         if plan.fsdp_float8_all_gather:  # FSDP2, once it shards the model, all-gathers these weights in FP8
             layers = [m for m in model.modules() if isinstance(m, NativeFP8Linear)]
@@ -374,6 +391,15 @@ class NativeEngine(Engine):
                 fsdp_fp8.wrap_weight(module)
             fsdp_fp8.log_all_gather(len(layers))
         track_for_sync(model, self)
+
+    def tensor_parallel_problem(self, plan) -> Optional[str]:
+        """None: NativeFP8Linear runs colwise, rowwise and replicated DTensor layers
+        (backends.native.tensor_parallel), under every scaling; except with FSDP2's FP8 all-gather,
+        whose wrapped weight is a plain tensor's."""
+        if self.plan_of(plan).fsdp_float8_all_gather:
+            return ("FP8RecipeKwargs.enable_fsdp_float8_all_gather=True all-gathers plain weights in FP8, not "
+                    "tensor-parallel DTensor shards; drop it (the bf16 all-gather then casts after the gather)")
+        return None
 
     def unconvert(self, model: nn.Module) -> nn.Module:
         untrack_for_sync(model)  # no FP8 layers left to guard or to end steps for

@@ -16,7 +16,7 @@ from typing import Optional, Set
 import torch
 from torch import nn
 
-from fp8plug.backends.native import fused_cast, shared_input
+from fp8plug.backends.native import fused_cast, shared_input, tensor_parallel
 
 # Widest normalised dimension one program holds in registers (a row per program at a time).
 MAX_WIDTH = 32768
@@ -64,6 +64,8 @@ def norm_problem(module: nn.Module) -> Optional[str]:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return "no 1-D weight Parameter"
+    if tensor_parallel.is_distributed(weight):
+        return "its weight is a DTensor (a tensor-parallel plan put it on a mesh); the fused kernel takes plain tensors"
     if not isinstance(getattr(module, "variance_epsilon", None), (int, float)):
         return "no numeric variance_epsilon"
     if set(dict(module.named_parameters(recurse=False))) != {"weight"} or list(module.buffers(recurse=False)):

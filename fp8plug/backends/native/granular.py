@@ -461,11 +461,13 @@ def granular_linear(x2: torch.Tensor, weight: torch.Tensor, scaling: str, out_dt
     return _granular_op(x2, weight, fprop, saved, scaling, out_dtype, list(override))
 
 
-def granular_forward(layer, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def granular_forward(layer, x: torch.Tensor, out_dtype: torch.dtype, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     """A NativeFP8Linear's FP8 forward with its granular scaling (`layer.granular`), on x's
-    tokens already padded (backends.padding, to `token_multiple`)."""
+    tokens already padded (backends.padding, to `token_multiple`), with `weight` and `bias` (the
+    layer's own, or this rank's shards of them under tensor parallelism)."""
     x2 = x.reshape(-1, x.shape[-1])
-    out = granular_linear(x2, layer.weight, layer.granular, out_dtype, layer.override_linear_precision)
-    if layer.bias is not None:
-        out = out + layer.bias.to(out_dtype)
-    return out.reshape(*x.shape[:-1], layer.out_features)
+    out = granular_linear(x2, weight, layer.granular, out_dtype, layer.override_linear_precision)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

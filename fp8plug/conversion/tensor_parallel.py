@@ -1,13 +1,13 @@
 """Tensor parallelism (Accelerate's `ParallelismConfig(tp_size=N)`, a transformers model loaded with
-`tp_plan="auto"`, torch's `parallelize_module`) and fp8plug: refused at prepare, with the fix.
+`tp_plan="auto"`, torch's `parallelize_module`) and fp8plug: which engine may convert such a model.
 
-Under tensor parallelism every Linear's weight is a shard (a DTensor, or a local shard with
-transformers' hooks) and the sharding plan's forward hooks sit on the Linear module itself: its
-input hook makes the input what the shard needs and a row-wise layer's output hook adds up the
-partial sums. Converting replaces the Linear with an engine's FP8 module, which holds the same
-weight but neither those hooks nor a GEMM that takes DTensor operands, so the step would either
-crash inside the FP8 cast or return partial sums unreduced. No fp8plug engine carries a
-tensor-parallel plan over yet, so prepare() stops first, naming what to do instead.
+Under tensor parallelism every Linear's weight is a DTensor shard and the sharding plan's hooks
+(or transformers' replaced `forward`) sit on the Linear module itself. Conversion carries those
+over to the FP8 module (fp8plug.layers.carry_over); whether the FP8 module then runs on DTensor
+shards is the engine's to say (`Engine.tensor_parallel_problem`: the native engine's does,
+backends/native/tensor_parallel.py). Every conversion plan asks (fp8plug.conversion.plan), and
+fp8plug.Accelerator.prepare() asks again before converting anything, with its ParallelismConfig;
+where the engine cannot, they refuse, naming the engine and the fix.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fp8plug.layers.rules import ConversionError
 
 def tensor_parallel_size(accelerator, model: nn.Module) -> Optional[int]:
     """The tensor-parallel degree `model` trains with: the Accelerator's ParallelismConfig tp_size
-    where above 1, else what transformers recorded when it sharded the model, else 2 or more
+    where above 1 (`accelerator` None: none), else what transformers recorded when it sharded the model, else 2 or more
     where a Linear's weight is a DTensor before any FSDP sharding (a user's parallelize_module);
     None without tensor parallelism."""
     config = getattr(accelerator, "parallelism_config", None)
@@ -56,16 +56,14 @@ def _transformers_tp_size(model: nn.Module) -> Optional[int]:
         return None
 
 
-def check_no_tensor_parallel(accelerator, model: nn.Module, engine, where: str = "") -> None:
-    """Refuse to convert `model` for FP8 training under tensor parallelism (see the module doc)."""
+def check_tensor_parallel(accelerator, model: nn.Module, engine, plan, where: str = "") -> None:
+    """Refuse to convert `model` for FP8 training under tensor parallelism (tensor_parallel_size;
+    `accelerator` None: from the model alone) where `engine` cannot run it under `plan`
+    (Engine.tensor_parallel_problem), naming the engine and the fix."""
     size = tensor_parallel_size(accelerator, model)
     if size is None:
         return
-    raise ConversionError(
-        f"{where}tensor parallelism (tp_size={size}) is not supported by the {engine.title} engine "
-        f"(backend={engine.name!r}): its FP8 Linears would replace the tensor-parallel Linears and drop the "
-        "plan's input/output hooks, and its FP8 casts take no DTensor weights. Train with tp_size=1 and shard "
-        "with FSDP2 instead (ParallelismConfig(dp_shard_size=<number of GPUs>) or "
-        "FullyShardedDataParallelPlugin(fsdp_version=2)); or keep tensor parallelism in bf16 "
-        "(mixed_precision='bf16'). See docs/distributed.md, 'Tensor parallelism'."
-    )
+    problem = engine.tensor_parallel_problem(plan)
+    if problem:
+        raise ConversionError(f"{where}tensor parallelism (tp_size={size}) in FP8: {problem}. "
+                              "See docs/tensor_parallel.md.")
