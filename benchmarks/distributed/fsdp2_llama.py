@@ -239,16 +239,15 @@ def tp_on_cpu(accelerator, config) -> None:
     accelerator.state.device_mesh = config.get_device_mesh("cpu")
 
 
-def tensor_parallel(model, mesh, replicate_rest: bool) -> None:
+def tensor_parallel(model, mesh) -> None:
     """Shard the meta model with its transformers tp_plan on the `mesh` (1-D, the tp dimension), as
-    `from_pretrained(tp_plan="auto")` does, and record tp_size where Accelerate reads it
-    (`config.distributed_config`); with `replicate_rest` (FSDP2 beside it), replicate_unsharded."""
+    `from_pretrained(tp_plan="auto")` does, record tp_size where Accelerate reads it
+    (`config.distributed_config`), and replicate_unsharded."""
     from transformers.integrations.tensor_parallel import apply_tensor_parallelism
 
     apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(dict(model.tp_plan)))
     model.config.distributed_config = {"tp_size": mesh.size()}
-    if replicate_rest:
-        replicate_unsharded(model, mesh)
+    replicate_unsharded(model, mesh)
 
 
 def replicate_unsharded(model, mesh) -> None:
@@ -258,7 +257,9 @@ def replicate_unsharded(model, mesh) -> None:
     transformers 5.24 no longer has. `_prepare_tp` imports that name before it looks at any
     parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot prepare any model there;
     with every parameter a DTensor it never uses the class, so a stand-in that refuses to be used
-    is put where it imports it from. Call it before prepare()."""
+    is put where it imports it from. Tensor parallelism alone needs it too: on CUDA the optimizers'
+    foreach and fused steps refuse a mix of DTensor and plain parameters (aten._foreach_mul_, H200,
+    transformers 5.17). Call it before prepare()."""
     import torch
     import transformers.integrations.tensor_parallel as hf_tp
     from torch.distributed.tensor import DTensor, Replicate
@@ -473,7 +474,7 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     params = sum(p.numel() for p in model.parameters())
     if args.tp > 1:
-        tensor_parallel(model, accelerator.torch_device_mesh["tp"], replicate_rest=accelerator.is_fsdp2)
+        tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         out["tp_size"] = args.tp
         if not accelerator.is_fsdp2:  # the FSDP2 plugin's activation checkpointing, per decoder layer, here
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -36,17 +36,16 @@ def accelerator_for(cls, world, **kwargs):
 
 
 def load(model_dir, accelerator):
-    """The model with its tp_plan; beside FSDP2, its plain parameters (the norms) replicated on the
-    tp mesh as Accelerate 1.15 cannot with transformers 5.24 (fsdp2_llama.replicate_unsharded)."""
+    """The model with its tp_plan, its plain parameters (the norms) replicated on the tp mesh
+    (fsdp2_llama.replicate_unsharded says why)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", device_mesh=accelerator.torch_device_mesh,
                                                  dtype=torch.float32)
-    if accelerator.is_fsdp2:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "distributed"))
-        from fsdp2_llama import replicate_unsharded
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "distributed"))
+    from fsdp2_llama import replicate_unsharded
 
-        replicate_unsharded(model, accelerator.torch_device_mesh["tp"])
+    replicate_unsharded(model, accelerator.torch_device_mesh["tp"])
     return model
 
 
