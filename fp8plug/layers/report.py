@@ -24,6 +24,9 @@ OUTPUT_HEAD_REASON = (
     "the output head stays in high precision (FP8RecipeKwargs.fp8_output_head): on real text an FP8 head "
     f"cost 1.4% final loss where every other Linear in FP8 cost none (docs/numerics.md); {OUTPUT_HEAD_NOTE}")
 REFUSED = "refused by module_filter_fn"
+NO_FP8_LINEAR = "norms with no FP8 Linear to feed"
+NO_FP8_LINEAR_REASON = ("no Linear of the model runs in FP8 (their reasons are listed), and a fused norm only "
+                        "serves the FP8 casts of the Linears reading it")
 NOT_ELIGIBLE = "not eligible"
 SUBCLASS = "subclasses of nn.Linear (only exact nn.Linear is converted)"
 ADAPTER = "LoRA adapters (PEFT lora_A / lora_B)"

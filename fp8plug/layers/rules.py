@@ -15,7 +15,7 @@ reference: docs/recipe.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torch import nn
@@ -35,6 +35,8 @@ from fp8plug.layers.report import (  # noqa: F401  (the records, importable from
     MHA_NOTE,
     MHA_OUT,
     MHA_QKV,
+    NO_FP8_LINEAR,
+    NO_FP8_LINEAR_REASON,
     NOT_ELIGIBLE,
     OUTPUT_HEAD,
     OUTPUT_HEAD_NOTE,
@@ -146,9 +148,10 @@ class Eligibility:
     types it converts, each with a check saying why a module of that type cannot be converted
     (None: it can); `unfiltered`, the types module_filter_fn is not asked about, since converting
     them decides no precision (the native engine's fused norms; they still honour
-    modules_to_ignore); the filter to ask (the plan's, with whatever the engine adds, e.g.
-    layer_scaling's bf16 layers); and, where the engine runs one layer with a scaling of its own,
-    that layer's scaling word (`scaling_of(fqn)`, None for the plan's)."""
+    modules_to_ignore, and convert only beside an FP8 Linear); the filter to ask (the plan's, with
+    whatever the engine adds, e.g. layer_scaling's bf16 layers); and, where the engine runs one
+    layer with a scaling of its own, that layer's scaling word (`scaling_of(fqn)`, None for the
+    plan's)."""
 
     checks: Mapping[type, Callable[[nn.Module], Optional[str]]] = field(default_factory=dict)
     unfiltered: Tuple[type, ...] = ()
@@ -235,6 +238,11 @@ def decide_modules(model: nn.Module, engine, plan, linear: bool = True, norm: bo
         scaling = scaling_of(fqn)
         decisions.append(ModuleDecision(fqn, converts=True, scaling=scaling, linear=gemm,
                                         note=layer_note(scaling) if scaling else ""))
+    if nn.Linear in eligible and eligibility.unfiltered and not any(d.converts and d.linear for d in decisions):
+        # the unfiltered modules serve the FP8 Linears: with none (the speed filter kept every one in
+        # bf16), a fused norm is a cost with no reader (0.9x bf16's speed at hidden 768 on an H200)
+        decisions = [replace(d, converts=False, reason=NO_FP8_LINEAR_REASON, kind=NO_FP8_LINEAR) if d.converts else d
+                     for d in decisions]
     return ModulePlan(engine.name, tuple(decisions))
 
 

@@ -172,3 +172,13 @@ def test_convert_model_without_norms_leaves_them_and_without_linears_fuses_only_
     model = tiny_llama()
     fp8plug.convert_model(model, _convert_linear=False, backend="native")
     assert isinstance(model.model.norm, FusedRMSNorm) and not isinstance(model.lm_head, native.NativeFP8Linear)
+
+
+def test_norms_stay_torch_where_no_linear_runs_in_fp8():
+    """A filter that keeps every Linear in bf16 (the speed filter at hidden 768) leaves the norms
+    alone too: a fused norm serves only the FP8 Linears reading it, and was a cost without them."""
+    model = tiny_llama()
+    report = convert(model, module_filter_fn=lambda module, fqn: False)
+    assert not any(isinstance(m, (FusedRMSNorm, native.NativeFP8Linear)) for m in model.modules())
+    reason = report.skipped["model.layers.0.input_layernorm"]
+    assert "no Linear of the model runs in FP8" in reason
