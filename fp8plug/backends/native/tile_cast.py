@@ -17,6 +17,7 @@ Checked byte for byte against the torch ops on a GPU (tests/gpu/test_transposed_
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Tuple
 
 import torch
@@ -27,9 +28,6 @@ E4M3 = torch.float8_e4m3fn
 # rows and columns one program reads at a time, and its warps (both passes)
 BLOCK_ROWS, BLOCK_COLS, WARPS = 32, 128, 4
 
-_KERNELS = None
-
-
 def usable(t: torch.Tensor) -> bool:
     """Whether these kernels run for `t`: a row-major 2-D CUDA tensor where Triton runs, and no
     torch.compile tracing (compiled, the torch ops fuse with their producer)."""
@@ -37,14 +35,9 @@ def usable(t: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+@functools.cache
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
-
-
-def _build():
+    """The two kernels, built on first use (Triton is imported only where they run)."""
     import triton
     import triton.language as tl
 
