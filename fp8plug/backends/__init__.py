@@ -176,17 +176,17 @@ def judge(name: str, device: DeviceInfo, scaling=None) -> Verdict:
     return _lacking(scaling, (name,)).get(name) or _probe(name, device)
 
 
-def _lacking(scaling, names=BACKENDS) -> Dict[str, Verdict]:
-    """The verdicts of the engines among `names` that have no `scaling` (FP8RecipeKwargs.scaling;
-    None: every engine has its default): passed over unprobed, so never imported for nothing."""
+def _lacking(scaling, names=BACKENDS, label: str = "FP8RecipeKwargs.scaling") -> Dict[str, Verdict]:
+    """The verdicts of the engines among `names` that have no `scaling` (FP8RecipeKwargs.scaling,
+    named as `label` says: with its variable where the environment set it; None: every engine has
+    its default): passed over unprobed, so never imported for nothing."""
     lacking = {}
     for name in names if scaling is not None else ():
         engine = _engine(name)
         if not engine.offers_scaling(scaling):
             lacking[name] = Verdict(
                 name, engine.title, Probe(False, reason="not checked"), False,
-                f"has no {scaling!r} scaling (FP8RecipeKwargs.scaling; its own: {', '.join(engine.scalings)})",
-                checked=False)
+                f"has no {scaling!r} scaling ({label}; its own: {', '.join(engine.scalings)})", checked=False)
     return lacking
 
 
@@ -257,7 +257,7 @@ def select_for(recipe, device=None, compiled: Optional[bool] = None, accelerate_
     once per process: fp8plug.coverage.log_selection)."""
     requested = recipe.backend if backend is None else normalize_backend(backend)
     info = device if isinstance(device, DeviceInfo) else device_info(device)
-    lacking = {} if requested else _lacking(recipe.scaling)
+    lacking = {} if requested else _lacking(recipe.scaling, label=recipe.label("scaling"))
     if not accelerate_call or requested is not None:
         return _select(requested, info, compiled, lacking)
     te = lacking.get("te") or _probe("te", info)

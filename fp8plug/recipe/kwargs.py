@@ -228,6 +228,11 @@ class FP8RecipeKwargs(KwargsHandler):
         object.__setattr__(self, "_resolved", {name: checked[name] for name in _FIELD_NAMES if name not in given})
         object.__setattr__(self, "_explicit_fields", frozenset(given))  # from now on assignments are checked
 
+    def label(self, name: str) -> str:
+        """How a message names field `name`: the field, and the variable it came from where the
+        environment gave it (so a bad value set outside the script is found)."""
+        return _label(name, self._sources.get(name))
+
     def is_explicit(self, name: str) -> bool:
         """Whether the user passed this field (rather than it coming from the environment or defaults)."""
         return name in self._explicit_fields

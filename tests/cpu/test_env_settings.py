@@ -29,6 +29,21 @@ def test_every_bad_variable_is_named_in_the_error(monkeypatch, variable):
     assert variable in str(info.value) and "'bogus!'" in str(info.value)
 
 
+@pytest.mark.parametrize("variable", ["FP8PLUG_SCALING", "ACCELERATE_FP8_SCALING"])
+def test_a_scaling_no_engine_has_is_named_with_its_variable_when_converting(monkeypatch, variable):
+    """The scaling word is each engine's to check, so the refusal comes when an engine is chosen:
+    it still names the variable the word came from."""
+    import torch
+
+    from fp8plug import convert_model
+    from fp8plug.backends.base import BackendUnavailableError
+
+    monkeypatch.setenv(variable, "weird")
+    with pytest.raises(BackendUnavailableError) as info:
+        convert_model(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe=FP8RecipeKwargs())
+    assert f"has no 'weird' scaling (FP8RecipeKwargs.scaling (from {variable})" in str(info.value)
+
+
 def test_bad_format_inside_a_script_names_variable_value_and_choices(monkeypatch):
     monkeypatch.setenv("ACCELERATE_FP8_FORMAT", "bogus")
     with pytest.raises(ValueError) as info:
