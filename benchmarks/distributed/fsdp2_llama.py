@@ -485,6 +485,8 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler, device_placement=placement)
     materialise(model, device)
     rebind_optimizer(optimizer, model)
+    if hasattr(accelerator, "fp8_coverage"):  # read once, eagerly: settles the counts made on meta
+        accelerator.fp8_coverage()
     out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
     out.update(model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2]))
     out.update(precision_facts(model, accelerator))

@@ -53,6 +53,7 @@ from fp8plug.coverage import fp8_coverage, log_selection
 from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
+from fp8plug.layers.gemm_counts import settle_all
 from fp8plug.layers.rules import ConversionError, ConversionReport, check_convertible
 from fp8plug.numerics.watch import numerics_stats, watch_of
 from fp8plug.recipe.engines import BACKENDS, listed
@@ -232,6 +233,8 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         # The end of each optimizer step needs nothing here: fp8plug.backends.steps' global optimizer hook
         # finds the converted models an optimizer trains, whenever it was prepared.
         result = super().prepare(*args, device_placement=device_placement)
+        for model in self._fp8_models:  # counts made on meta that accelerate's FSDP2 gave memory
+            settle_all(model)
         if deepspeed:  # ZeRO's flat partitions hide the models from that hook (fp8plug.integrations.deepspeed_zero)
             ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
         return result

@@ -13,7 +13,7 @@ from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
 from fp8plug.backends.native import grouped
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
-from fp8plug.layers.gemm_counts import EXPERT_COUNTS
+from fp8plug.layers.gemm_counts import EXPERT_COUNTS, settle_all
 from tests.support.hf import fresh
 from tests.support.moe_models import ARCHITECTURES, EXPERTS, VOCAB, builder
 from tests.support.numerics import sqnr_db
@@ -383,3 +383,27 @@ def test_expert_counts_made_on_meta_start_from_zero_once_given_memory():
     coverage = fp8plug.fp8_coverage(model)
     experts = [fqn for fqn, _ in experts_modules(model)]
     assert experts and all(coverage["layers"][fqn] == (2, 0) for fqn in experts), coverage["layers"]
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_counts_settled_before_compiling_cost_no_recompile(settled):
+    """Counts made on meta are settled outside the compiled forward (prepare() and fp8_coverage
+    do it): settling inside flips a flag dynamo guards on, and the model recompiled at its second
+    step."""
+    reference = _build("mixtral")
+    with torch.device("meta"):
+        model = _build("mixtral")
+    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    if settled:
+        settle_all(model)
+    model.train()
+    compiled = torch.compile(model, backend="eager")
+    compiled(_batch())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        if settled:
+            compiled(_batch(seed=2))
+        else:  # the check has teeth: settled inside, the flag's guard fails at the next call
+            with pytest.raises(torch._dynamo.exc.RecompileError):
+                compiled(_batch(seed=2))
