@@ -367,15 +367,21 @@ def test_save_fp8_checkpoint_writes_the_experts_in_fp8_one_weight_per_expert(tmp
     assert sqnr_db(state["model.layers.0.mlp.experts.down_proj"], down) > 25
 
 
-def test_expert_counts_made_on_meta_start_from_zero_once_given_memory():
-    """A model built on meta and converted there (FSDP2's meta initialisation) counts its experts'
-    GEMMs from zero after to_empty, whatever memory to_empty handed the counts."""
+def _converted_on_meta_then_materialised():
+    """A Mixtral built on meta and converted there (FSDP2's meta initialisation), then given memory
+    (to_empty) and the weights of one built on the CPU."""
     reference = _build("mixtral")
     with torch.device("meta"):
         model = _build("mixtral")
     fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
     model.to_empty(device="cpu")
     model.load_state_dict(reference.state_dict())
+    return model
+
+
+def test_expert_counts_made_on_meta_start_from_zero_once_given_memory():
+    """Such a model counts its experts' GEMMs from zero, whatever memory to_empty handed the counts."""
+    model = _converted_on_meta_then_materialised()
     for _, module in experts_modules(model):
         module._buffers[EXPERT_COUNTS].fill_(123456789)  # what to_empty's memory may hold
     model.train()
@@ -390,12 +396,7 @@ def test_counts_settled_before_compiling_cost_no_recompile(settled):
     """Counts made on meta are settled outside the compiled forward (prepare() and fp8_coverage
     do it): settling inside flips a flag dynamo guards on, and the model recompiled at its second
     step."""
-    reference = _build("mixtral")
-    with torch.device("meta"):
-        model = _build("mixtral")
-    fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native"))
-    model.to_empty(device="cpu")
-    model.load_state_dict(reference.state_dict())
+    model = _converted_on_meta_then_materialised()
     if settled:
         settle_all(model)
     model.train()
