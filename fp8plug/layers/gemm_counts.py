@@ -88,8 +88,9 @@ def settle_expert_counts(module: nn.Module) -> None:
 def settle_all(model: nn.Module) -> None:
     """Settle every counts buffer of `model` that was made on meta and has memory now. Called
     outside compiled code (fp8plug.Accelerator.prepare, fp8_coverage) so that a compiled forward
-    does not settle them itself: the flag it would flip is a guard, and flipping it recompiled the
-    model at its second step (5.6 s for Mixtral under FSDP2, H200)."""
+    does not settle them itself: the flag it would flip is a guard, and flipping it recompiles the
+    model at its second step (seen under FSDP2 with meta initialisation: the toy MoE on the CPU;
+    the Mixtral row on an H200 recompiled there too, 5.6 s)."""
     for module in _unwrap(model).modules():
         for hook in module._forward_pre_hooks.values() if has_gemm_counter(module) else ():
             if isinstance(hook, GemmCounter):
