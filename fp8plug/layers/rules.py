@@ -241,8 +241,8 @@ def decide_modules(model: nn.Module, engine, plan, linear: bool = True, norm: bo
     if nn.Linear in eligible and eligibility.unfiltered and not any(d.converts and d.linear for d in decisions):
         # the unfiltered modules serve the FP8 Linears: with none (the speed filter kept every one in
         # bf16), a fused norm is a cost with no reader (0.9x bf16's speed at hidden 768 on an H200)
-        decisions = [replace(d, converts=False, reason=NO_FP8_LINEAR_REASON, kind=NO_FP8_LINEAR) if d.converts else d
-                     for d in decisions]
+        decisions = [replace(d, converts=False, reason=NO_FP8_LINEAR_REASON, kind=NO_FP8_LINEAR, note="",
+                             scaling=None) if d.converts else d for d in decisions]
     return ModulePlan(engine.name, tuple(decisions))
 
 
