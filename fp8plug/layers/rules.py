@@ -76,18 +76,24 @@ def refuse_unusable_linear(fqn: str, module: nn.Linear) -> None:
         )
 
 
+def local_shape(t):
+    """The shape of this rank's part of tensor `t`: a DTensor's local shard (tensor parallelism),
+    a plain tensor's own."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return t.shape
+    return t.to_local().shape if isinstance(t, DTensor) else t.shape
+
+
 def local_features(module: nn.Linear) -> Tuple[int, int]:
     """(in_features, out_features) of this rank's part of `module`'s weight: the whole layer's,
     or the shard a tensor-parallel plan left on this rank where its weight is a DTensor."""
     weight = getattr(module, "weight", None)
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        DTensor = ()
-    if isinstance(weight, DTensor):
-        out_features, in_features = weight.to_local().shape
-        return in_features, out_features
-    return module.in_features, module.out_features
+    if weight is None:
+        return module.in_features, module.out_features
+    out_features, in_features = local_shape(weight)
+    return in_features, out_features
 
 
 def linear_alignment_problem(module: nn.Linear) -> Optional[str]:

@@ -40,6 +40,7 @@ from fp8plug.layers.rules import (
     ignore_in_ddp,
     linear_alignment_problem,
     local_features,
+    local_shape,
     plain_linear,
     planned_modules,
     replace_module,
@@ -175,8 +176,8 @@ class NativeFP8Linear(nn.Linear):
         test `forward` makes): in FP8's region, with tokens, and features aligned on this rank's
         shards where tensor parallelism splits them (backends.native.tensor_parallel)."""
         weight = self.weight if weight is None else weight
-        return (self.fp8_active() and token_count(x) > 0 and not tensor_parallel.local_shape(x)[-1] % ALIGNMENT
-                and not tensor_parallel.local_shape(weight)[0] % ALIGNMENT)
+        return (self.fp8_active() and token_count(x) > 0 and not local_shape(x)[-1] % ALIGNMENT
+                and not local_shape(weight)[0] % ALIGNMENT)
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):

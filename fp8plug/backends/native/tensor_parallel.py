@@ -38,12 +38,6 @@ def is_distributed(*tensors) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def local_shape(t: torch.Tensor) -> torch.Size:
-    """The shape of this rank's part of `t` (a DTensor's local shard; a plain tensor's own): what the
-    FP8 GEMM's alignment is checked on."""
-    return t.to_local().shape if isinstance(t, DTensor) else t.shape
-
-
 def _shard_dim(placement, ndim: int) -> Optional[int]:
     """The dimension a Shard placement splits, made non-negative; None for any other placement."""
     if not placement.is_shard():
