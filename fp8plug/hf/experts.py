@@ -39,14 +39,20 @@ from fp8plug._upstream import (
 )
 from fp8plug.backends.region import fp8_now
 from fp8plug.hf.attention import transformers_models
-from fp8plug.layers.gemm_counts import EXPERT_COUNTS, EXPERT_COUNTS_ON_META, FP8, HIGH_PRECISION, settle_expert_counts
+from fp8plug.layers.gemm_counts import (
+    EXPERT_COUNTS,
+    EXPERT_COUNTS_ON_META,
+    FP8,
+    HIGH_PRECISION,
+    count_expert_gemms,
+    settle_expert_counts,
+)
 from fp8plug.layers.rules import (
     ALIGNMENT,
     IGNORED,
     NOT_ELIGIBLE,
     ConversionReport,
     ModuleDecision,
-    ignore_in_ddp,
     module_paths,
 )
 from fp8plug.tuning.roofline import SpeedFilter, predict_ms
@@ -251,11 +257,7 @@ def convert_experts(model: nn.Module, engine, plan, decisions: Tuple[ModuleDecis
             continue
         module = model.get_submodule(decision.fqn)
         setattr(module, GEMM, engine.grouped_gemm(plan, _gemm_device(module)))
-        if EXPERT_COUNTS not in module._buffers:
-            device = module.down_proj.device
-            module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
-            setattr(module, EXPERT_COUNTS_ON_META, device.type == "meta")  # zeroed once given memory
-            ignore_in_ddp(model, [f"{decision.fqn}.{EXPERT_COUNTS}"])
+        count_expert_gemms(model, decision.fqn, module, module.down_proj.device)
         report.converted.append(decision.fqn)
         converted.append(decision.fqn)
     if converted:

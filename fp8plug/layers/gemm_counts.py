@@ -138,6 +138,17 @@ def count_gemms(root: nn.Module, fqn: str, module: nn.Module, backend: str) -> b
     return True
 
 
+def count_expert_gemms(root: nn.Module, fqn: str, module: nn.Module, device: torch.device) -> None:
+    """Give the MoE experts module `module` (at `fqn` in `root`) its counts (EXPERT_COUNTS), on
+    `device`, which its forward adds to (fp8plug.hf.experts); made on meta, they are zeroed once
+    given memory (settle_expert_counts). Idempotent."""
+    if EXPERT_COUNTS in module._buffers:
+        return
+    module.register_buffer(EXPERT_COUNTS, torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+    setattr(module, EXPERT_COUNTS_ON_META, device.type == "meta")
+    ignore_in_ddp(root, [f"{fqn}.{EXPERT_COUNTS}" if fqn else EXPERT_COUNTS])
+
+
 def has_gemm_counter(module: nn.Module) -> bool:
     return COUNTS in module._buffers
 
@@ -202,5 +213,6 @@ def fp8_coverage(model: nn.Module, reset: bool = False) -> dict:
     return coverage
 
 
-__all__ = ["COUNTS", "EXPERT_COUNTS", "EXPERT_COUNTS_ON_META", "count_gemms", "engine_counts", "fp8_coverage",
-           "has_gemm_counter", "settle_all", "settle_counts", "settle_expert_counts", "use_engine_lookup"]
+__all__ = ["COUNTS", "EXPERT_COUNTS", "EXPERT_COUNTS_ON_META", "count_expert_gemms", "count_gemms", "engine_counts",
+           "fp8_coverage", "has_gemm_counter", "settle_all", "settle_counts", "settle_expert_counts",
+           "use_engine_lookup"]
