@@ -2,12 +2,15 @@
 ones (fp8plug/backends/native/transposed_cast.py) for the granular layers' transposed operands
 (rowwise and 1x128 tiles) and the grouped GEMM's token rows, weight-gradient operands (gathered
 through the padded layout, whole and as a column slice) and input-gradient weight; and the eager
-granular casts written as they are (tile_cast.py: per row, 1x128 tile, 128x128 block, tensor)."""
+granular casts written as they are (tile_cast.py: per row, 1x128 tile, 128x128 block, tensor); and
+the two FSDP2 FP8 all-gather needs: a shard cast with a scale known already, and the gathered
+FP8 weight's transposed copy."""
 
 import pytest
 import torch
 
 from fp8plug.backends.native import granular, grouped, tile_cast, transposed_cast
+from fp8plug.backends.native.scaling import quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="needs an sm_90 (Hopper) GPU")
@@ -82,3 +85,21 @@ def test_the_amax_pass_reduces_every_segment():
     assert torch.equal(amax, expected)
     x[3, 4] = float("nan")
     assert transposed_cast.column_amax(x, transposed_cast.ALL_ROWS, 1)[0, 0, 4] == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1792, 4096), (300, 192), (1, 7)])
+def test_the_shard_cast_with_a_known_scale_writes_quantize_bytes(dtype, rows, cols):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, cols, device="cuda") * 30).to(dtype)
+    x[0, 0], x[-1, -1] = float("nan"), float("-inf")
+    scale = torch.tensor(7.25, device="cuda")
+    same([tile_cast.cast_scaled(x, scale)], [quantize(x, scale, torch.float8_e4m3fn)])
+
+
+@pytest.mark.parametrize("rows,cols", [(4096, 14336), (1024, 4096), (37, 300), (1, 129)])
+def test_the_fp8_transposed_copy_is_torchs(rows, cols):
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda").to(torch.float8_e4m3fn)
+    y = transposed_cast.transposed(x)
+    assert y.is_contiguous() and torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8))

@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fp8plug.backends.native import tile_cast, transposed_cast
 from fp8plug.backends.native.scaling import FP8_MAX, delayed_scale, quantize, scale_from_amax
 
 WEIGHT = 1  # the weight's slot in a NativeFP8Linear's scaling buffers (engine.WEIGHT)
@@ -117,7 +118,7 @@ class FP8AllGatherWeight(torch.Tensor):
         state = self._state
         if state.scale is None:  # not precomputed since the weight last changed: this weight alone
             _set_scales([state], [self._tensor], _groups_of(mesh))
-        data = quantize(self._tensor, state.scale, state.dtype)
+        data = _shard_cast(self._tensor, state.scale, state.dtype)
         rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
         if data.dim() and data.shape[0] != rows:  # an uneven last shard: FSDP2 gathers equal sizes
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
@@ -174,7 +175,22 @@ def gathered_cast(weight: torch.Tensor, transposed: bool = True):
     if not isinstance(weight, GatheredFP8Weight):
         return None
     data = weight._data
-    return data, data.t().contiguous() if transposed else None, weight._scale.reciprocal(), weight._amax
+    if not transposed:
+        data_t = None
+    elif transposed_cast.usable(data) and data.dim() == 2 and not torch.compiler.is_compiling():
+        data_t = transposed_cast.transposed(data)
+    else:  # compiled: the compiler writes the transposing kernel
+        data_t = data.t().contiguous()
+    return data, data_t, weight._scale.reciprocal(), weight._amax
+
+
+def _shard_cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A rank's shard in FP8 before the all-gather: quantize's bytes, in one pass on CUDA (FSDP2
+    runs this outside any compiled code, twice a step with activation checkpointing or resharding,
+    where quantize's torch ops read the float32 shard five times)."""
+    if dtype == tile_cast.E4M3 and shard.dim() == 2 and shard.numel() and tile_cast.usable(shard):
+        return tile_cast.cast_scaled(shard, scale)
+    return quantize(shard, scale, dtype)
 
 
 # --- wrapping, state dicts, scales -------------------------------------------------------------------

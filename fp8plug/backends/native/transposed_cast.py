@@ -42,6 +42,7 @@ AMAX_TILE = (64, 128, 4)
 AMAX_ROWS_PER_PROGRAM = 512  # rows one amax program walks (ALL_ROWS, GROUPS); TILES_128: one segment
 CAST_TILE = (64, 128, 4)
 ROWS_TILE = (8, 512, 4)
+TRANSPOSE_TILE = (64, 128, 4)  # rows, columns, warps of transposed()
 
 _KERNELS = None
 # Whether Triton can run here: None until load() has looked, then a plain bool that torch.compile
@@ -191,7 +192,19 @@ def _build():
             tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
                      (cols[None, :] < n_cols))
 
-    return dict(triton=triton, column_amax=column_amax, cast_transposed=cast_transposed, rows_cast=rows_cast)
+    @triton.jit
+    def transpose_bytes(x_ptr, y_ptr, n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+        """y[c, r] = x[r, c] for one-byte elements, a tile at a time (read and written in order)."""
+        pr, pc = tl.program_id(0), tl.program_id(1)
+        rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
+        cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :],
+                    mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+        tl.store(y_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(x),
+                 mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows))
+
+    return dict(triton=triton, column_amax=column_amax, cast_transposed=cast_transposed, rows_cast=rows_cast,
+                transpose_bytes=transpose_bytes)
 
 
 def _as_batched(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
@@ -272,5 +285,19 @@ def rows_cast(t: torch.Tensor, amax_floor: float, source: torch.Tensor,
     return y, inv
 
 
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """`t` [R, C] of one-byte elements (FP8) as a contiguous [C, R]: torch's copy of a transposed
+    view runs a generic, unvectorized kernel at about an eighth of the bandwidth (0.23 ms for an
+    8B model's 4096 x 14336 weight on an H200)."""
+    k = _kernels()
+    t = t.contiguous()
+    rows, cols = t.shape
+    y = torch.empty((cols, rows), device=t.device, dtype=t.dtype)
+    br, bc, warps = TRANSPOSE_TILE
+    k["transpose_bytes"][(k["triton"].cdiv(rows, br), k["triton"].cdiv(cols, bc))](
+        t.view(torch.uint8), y.view(torch.uint8), rows, cols, BR=br, BC=bc, num_warps=warps)
+    return y
+
+
 __all__ = ["ALL_ROWS", "GROUPS", "TILES_128", "cast_columns", "cast_transposed", "column_amax", "load", "rows_cast",
-           "usable"]
+           "transposed", "usable"]
