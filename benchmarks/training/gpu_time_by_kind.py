@@ -43,7 +43,8 @@ def group_of(name: str) -> str:
 def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
     """Run `step` `steps` times under the profiler; per-step GPU milliseconds by group (summed over
     streams, so overlapped communication counts in full), the communication no compute hid, the
-    `top` kernels by time, and the kernel count per step."""
+    time no kernel ran at all (the host was behind, or the rank waited), the `top` kernels by time,
+    and the kernel count per step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,8 +59,10 @@ def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
         key = group_of(e.key)
         groups[key] = groups.get(key, 0.0) + e.self_device_time_total / steps / 1e3
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    intervals = kernel_intervals(prof)
     return dict(
-        exposed_communication_ms=exposed_communication_ms(kernel_intervals(prof), steps),
+        exposed_communication_ms=exposed_communication_ms(intervals, steps),
+        gpu_idle_ms=gpu_idle_ms(intervals, steps),
         gpu_ms_per_step=round(sum(groups.values()), 3),
         groups_ms={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         kernels_per_step=round(sum(e.count for e in kernels) / steps, 1),
@@ -95,6 +98,16 @@ def exposed_communication_ms(kernels: list, steps: int) -> float:
             k += 1
         exposed += (end - start) - covered
     return round(exposed / steps / 1e3, 3)
+
+
+def gpu_idle_ms(kernels: list, steps: int) -> float:
+    """GPU milliseconds per step, between the first kernel and the last, in which no kernel of any
+    stream runs: time lost to the host (launches, Python) or to waiting on another rank's host."""
+    busy = _merged([(s, e) for _, s, e in kernels])
+    if not busy:
+        return 0.0
+    idle = (busy[-1][1] - busy[0][0]) - sum(end - start for start, end in busy)
+    return round(idle / steps / 1e3, 3)
 
 
 def kernel_intervals(prof) -> list:
