@@ -53,6 +53,8 @@ def test_tensor_parallel_fp8_native_trains_within_one_percent_of_bf16(tmp_path):
     assert result["bf16"]["losses"][-1] < result["bf16"]["losses"][0] - 1
     for mode in ("fp8-eager", "fp8-compiled"):
         r = result[mode]
+        if not r["fp8_gemms"]:
+            print({k: v for k, v in r.items() if k != "losses"}, (proc.stdout + proc.stderr)[-6000:])
         assert r["fp8_gemms"] > 0 and r["high_precision_gemms"] == 0, (mode, r)
         gap = (tail(r["losses"]) - bf16) / bf16
         print(f"TP x{world} {mode}: loss {tail(r['losses']):.4f} vs bf16 {bf16:.4f} ({gap:+.2%}), "

@@ -46,7 +46,7 @@ def load(model_dir, accelerator):
     from fsdp2_llama import replicate_unsharded
 
     replicate_unsharded(model, accelerator.torch_device_mesh["tp"])
-    return model
+    return model.train()  # from_pretrained gives it in eval mode, where FP8 is off unless asked
 
 
 def batches(vocab: int, group: int, count: int = 8):
@@ -64,7 +64,8 @@ def run(mode: str, args, world: int) -> dict:
     if mode == "bf16":
         accelerator = accelerator_for(accelerate.Accelerator, world, mixed_precision="bf16")
     else:
-        recipe = fp8plug.FP8RecipeKwargs(backend="native")
+        # the speed filter would keep every Linear of this small model in bf16 (hidden 512)
+        recipe = fp8plug.FP8RecipeKwargs(backend="native", auto_filter=False)
         accelerator = accelerator_for(fp8plug.Accelerator, world, mixed_precision="fp8", kwargs_handlers=[recipe])
     model = load(args.model_dir, accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -86,7 +87,9 @@ def run(mode: str, args, world: int) -> dict:
     result = dict(losses=losses, step_s=sorted(times[5:])[len(times[5:]) // 2])
     if mode != "bf16":
         counts = accelerator.fp8_coverage()
-        result.update(fp8_gemms=counts["fp8_gemms"], high_precision_gemms=counts["high_precision_gemms"])
+        result.update(fp8_gemms=counts["fp8_gemms"], high_precision_gemms=counts["high_precision_gemms"],
+                      counted_layers=len(counts["layers"]),
+                      layer_types=sorted({type(m).__name__ for m in model.modules() if hasattr(m, "weight")}))
     del model, optimizer
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=False)
     return result
