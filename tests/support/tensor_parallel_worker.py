@@ -49,11 +49,15 @@ def load(model_dir, accelerator):
     return model.train()  # from_pretrained gives it in eval mode, where FP8 is off unless asked
 
 
-def batches(vocab: int, group: int, count: int = 8):
-    """`count` fixed batches (a tensor-parallel group's, seeded by its data-parallel index), cycled:
-    a memorisation task whose loss falls steadily, the same for every mode."""
-    gen = torch.Generator(device="cuda").manual_seed(1 + group)
-    return [torch.randint(0, vocab, (4, 512), device="cuda", generator=gen) for _ in range(count)]
+def batches(vocab: int, group: int, steps: int):
+    """One batch a step of benchmarks/training/hf_llama_task's synthetic task (a fixed permutation
+    walk with 10% fresh tokens: its loss falls smoothly to a known floor, where a memorised set of
+    random batches falls off a cliff at a step that a small difference moves), seeded by the
+    tensor-parallel group's data-parallel index; the same for every mode."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training"))
+    from hf_llama_task import make_batches
+
+    return make_batches(dict(vocab=vocab, batch=4, seq=512), steps, seed=1 + group).cuda()
 
 
 def run(mode: str, args, world: int) -> dict:
@@ -72,10 +76,10 @@ def run(mode: str, args, world: int) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     if mode == "fp8-compiled":
         model = torch.compile(model)
-    data = batches(model.config.vocab_size, int(os.environ["RANK"]) // 2)
+    data = batches(model.config.vocab_size, int(os.environ["RANK"]) // 2, args.steps)
     losses, times = [], []
     for step in range(args.steps):
-        ids = data[step % len(data)]
+        ids = data[step]
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
