@@ -243,17 +243,17 @@ def tensor_parallel(model, mesh) -> None:
     """Shard the meta model as its transformers tp_plan says, on the `mesh` (1-D, the tp dimension),
     record tp_size where Accelerate reads it (`config.distributed_config`), and replicate_unsharded.
 
-    The plan's styles are applied with torch's parallelize_module (colwise, rowwise, the head's
-    gathered output, the embedding's rows): the same shards and collectives as
-    `from_pretrained(tp_plan="auto")`, whose own helpers for a model built in place differ between
-    transformers releases (5.24 has `_expand_parallel_plan`, 5.17 not)."""
+    The plan's Linear styles are applied with torch's parallelize_module (colwise, rowwise, the
+    head's gathered output): the shards and collectives of `from_pretrained(tp_plan="auto")`, whose
+    own helpers for a model built in place differ between transformers releases (5.24 has
+    `_expand_parallel_plan`, 5.17 not). The embedding stays replicated: torch's row-sharded
+    embedding output (`_MaskPartial`) does not compile (torch 2.13, CPU)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate())}
     plan = {name: styles[style]() for name, style in dict(model.tp_plan).items() if style in styles}
     parallelize_module(model, mesh, plan)
     model.config.distributed_config = {"tp_size": mesh.size()}
