@@ -262,9 +262,12 @@ def tensor_parallel(model, mesh) -> None:
 
 def replicate_unsharded(model, mesh) -> None:
     """Make every parameter a tensor-parallel plan left plain (the norms) a Replicate DTensor on the
-    tp `mesh`, with its module's inputs made Replicate DTensors and its outputs local again: what
-    Accelerate 1.15's `_prepare_tp` does under FSDP2 with transformers' `ReplicateParallel`, which
-    transformers 5.24 no longer has. `_prepare_tp` imports that name before it looks at any
+    tp `mesh`, which its module's forward reads as the local tensor (`to_local`, through which the
+    gradient flows back): what Accelerate 1.15's `_prepare_tp` does under FSDP2 with transformers'
+    `ReplicateParallel`, which transformers 5.17 and 5.24 do not have. Local rather than DTensor
+    activations through the norm: compiled, a DTensor norm under FSDP2 + TP failed in bf16 too
+    (torch 2.11 on H200s: an unhashable SymInt in the DTensor spec; torch 2.13 on the CPU: the
+    partitioner's "Node ... was invalid, but is output"). `_prepare_tp` imports that name before it looks at any
     parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot prepare any model there;
     with every parameter a DTensor it never uses the class, so a stand-in that refuses to be used
     is put where it imports it from. Tensor parallelism alone needs it too: on CUDA the optimizers'
@@ -281,12 +284,18 @@ def replicate_unsharded(model, mesh) -> None:
 
         hf_tp.ReplicateParallel = ReplicateParallel
 
-    def inputs(module, args):
-        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+    def on_local_parameters(module):
+        forward = module.forward
 
-    def outputs(module, args, out):
-        return out.to_local() if isinstance(out, DTensor) else out
+        def local_forward(*args, **kwargs):
+            replicated = dict(module._parameters)
+            module._parameters.update({n: p.to_local() for n, p in replicated.items() if isinstance(p, DTensor)})
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(replicated)
+
+        module.forward = local_forward
 
     for module in list(model.modules()):
         plain = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
@@ -294,8 +303,7 @@ def replicate_unsharded(model, mesh) -> None:
             module.register_parameter(name, torch.nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
                                                                                   run_check=False)))
         if plain:
-            module.register_forward_pre_hook(inputs)
-            module.register_forward_hook(outputs)
+            on_local_parameters(module)
 
 
 def zero3_plugin(spec: dict):
