@@ -276,19 +276,41 @@ def _amax_over(amax: torch.Tensor, groups) -> torch.Tensor:
 
 @torch.no_grad()
 def _set_scales(states: List[WeightCastState], shards: List[torch.Tensor], groups) -> None:
-    """Work out the next all-gather's scale of each weight from the max |w| over its whole tensor:
-    one all-reduce for all of them."""
-    local = [s.abs().amax().float() if s.numel() else torch.zeros((), device=s.device) for s in shards]
-    amax = _amax_over(torch.stack(local), groups)
-    for i, state in enumerate(states):
-        layer, a = state.layer(), amax[i]
-        fp8_max = FP8_MAX[state.dtype]
-        if layer is not None and layer.delayed_slots[WEIGHT]:
+    """Work out the next all-gather's scale of each weight from the max |w| over its whole tensor,
+    in a handful of launches for all of them (after every step, for every weight of the model,
+    where one weight's ops at a time cost the host about eight launches a weight): the shards'
+    maxima in one foreach kernel, one all-reduce, then the scales of each kind of weight (delayed
+    or dynamic, its format and margin) in one set of elementwise ops."""
+    kinds = {}  # (fp8 max, margin, delayed) -> [(state, shard, layer)]
+    for state, shard in zip(states, shards):
+        layer = state.layer()
+        delayed = layer is not None and layer.delayed_slots[WEIGHT]
+        if delayed:
             layer.materialise_fp8_state()
-            scale = delayed_scale(layer.fp8_scale[WEIGHT], layer.fp8_step[WEIGHT] > 0, a, fp8_max, layer.margin)
+        key = (FP8_MAX[state.dtype], layer.margin if delayed else 0, delayed)
+        kinds.setdefault(key, []).append((state, shard, layer))
+    ordered = [member for members in kinds.values() for member in members]
+    amax = _amax_over(_shard_maxima([shard for _, shard, _ in ordered]), groups)
+    start = 0
+    for (fp8_max, margin, delayed), members in kinds.items():
+        part = amax[start:start + len(members)]
+        start += len(members)
+        if delayed:
+            prev = torch.stack([layer.fp8_scale[WEIGHT] for _, _, layer in members])
+            used = torch.stack([layer.fp8_step[WEIGHT] for _, _, layer in members]) > 0
+            scale = delayed_scale(prev, used, part, fp8_max, margin)
         else:
-            scale = scale_from_amax(a, fp8_max)
-        state.scale, state.amax = scale, a
+            scale = scale_from_amax(part, fp8_max)
+        for i, (state, _, _) in enumerate(members):
+            state.scale, state.amax = scale[i], part[i]
+
+
+def _shard_maxima(shards: List[torch.Tensor]) -> torch.Tensor:
+    """float32 [len(shards)]: each shard's max |w| (0 for an empty one), NaN where it holds one."""
+    filled = [s for s in shards if s.numel()]
+    maxima = iter(torch._foreach_norm(filled, float("inf")) if filled else [])
+    device = shards[0].device
+    return torch.stack([next(maxima).float() if s.numel() else torch.zeros((), device=device) for s in shards])
 
 
 def gathered_weights(models) -> List[Tuple[WeightCastState, torch.Tensor, Any]]:
