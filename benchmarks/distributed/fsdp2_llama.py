@@ -264,15 +264,15 @@ def replicate_unsharded(model, mesh) -> None:
     """Make every parameter a tensor-parallel plan left plain (the norms) a Replicate DTensor on the
     tp `mesh`, which its module's forward reads as the local tensor (`to_local`, through which the
     gradient flows back): what Accelerate 1.15's `_prepare_tp` does under FSDP2 with transformers'
-    `ReplicateParallel`, which transformers 5.17 and 5.24 do not have. Local rather than DTensor
-    activations through the norm: compiled, a DTensor norm under FSDP2 + TP failed in bf16 too
-    (torch 2.11 on H200s: an unhashable SymInt in the DTensor spec; torch 2.13 on the CPU: the
-    partitioner's "Node ... was invalid, but is output"). `_prepare_tp` imports that name before it looks at any
-    parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot prepare any model there;
-    with every parameter a DTensor it never uses the class, so a stand-in that refuses to be used
-    is put where it imports it from. Tensor parallelism alone needs it too: on CUDA the optimizers'
-    foreach and fused steps refuse a mix of DTensor and plain parameters (aten._foreach_mul_, H200,
-    transformers 5.17). Call it before prepare()."""
+    `ReplicateParallel`, which transformers 5.17 and 5.24 do not have. `_prepare_tp` imports that
+    name before it looks at any parameter, so ParallelismConfig(tp_size=N, dp_shard_size=M) cannot
+    prepare any model there; with every parameter a DTensor it never uses the class, so a stand-in
+    that refuses to be used is put where it imports it from. Tensor parallelism alone needs it too:
+    on CUDA the optimizers' foreach and fused steps refuse a mix of DTensor and plain parameters
+    (aten._foreach_mul_, H200, transformers 5.17). Local tensors rather than DTensor activations
+    through the norm: compiled, a DTensor norm under FSDP2 + TP failed in bf16 too (torch 2.11 on
+    H200s: an unhashable SymInt in the DTensor spec; torch 2.13 on the CPU: the partitioner's
+    "Node ... was invalid, but is output"). Call it before prepare()."""
     import torch
     import transformers.integrations.tensor_parallel as hf_tp
     from torch.distributed.tensor import DTensor, Replicate
