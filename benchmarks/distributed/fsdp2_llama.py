@@ -74,7 +74,9 @@ experts modules ran their GEMMs in FP8. `--data text` trains on real text instea
 synthetic task (benchmarks/training/real_text.py's corpus and tokenizer, made once by the parent).
 Every row records rank 0's loss at every step (`losses`) and its 10-step mean against the bf16
 row of the same compile mode (`loss_vs_bf16_pct`). The loss is the model's output, which FSDP2's
-policy (output_dtype bf16) rounds to bf16: about 0.2-0.4% a step at losses of 2-8.
+policy (output_dtype bf16) rounds to bf16: about 0.2-0.4% a step at losses of 2-8. With --data
+text each row also evaluates the trained model on held-out text (`heldout_loss`, against bf16's
+in `heldout_vs_bf16_pct`): the comparison to trust for a bound like 1%.
 
     python3 benchmarks/distributed/fsdp2_llama.py --json out/fsdp2.json             # every visible GPU
     python3 benchmarks/distributed/fsdp2_llama.py --nproc 1 --layers 4 --json out/fsdp2_1gpu.json
@@ -124,6 +126,7 @@ SIZE_KEYS = [key for key in dict.fromkeys(k for spec in MODELS.values() for k in
              if key not in ("arch", "norm_topk_prob")]
 DECODER_LAYERS = dict(mixtral="MixtralDecoderLayer", qwen3moe="Qwen3MoeDecoderLayer")  # by spec["arch"]
 TEXT_CACHE = Path(tempfile.gettempdir()) / "fp8plug_fsdp2_text"
+HELDOUT_BATCHES = 8  # --data text: held-out batches each data-parallel rank evaluates after training
 # row base -> (which Accelerator, mixed precision, FP8 engine, recipe arguments)
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
@@ -587,6 +590,29 @@ def text_dir(args) -> Path:
     return Path(args.text_cache) / f"v{spec['vocab']}_{spec['budget_mb']}mb"
 
 
+def heldout_loss(model, spec: dict, args, device, dp_rank: int) -> float:
+    """--data text: the trained model's mean loss on held-out text (real_text.py's held-out file;
+    HELDOUT_BATCHES batches a data-parallel rank, the same in every row), averaged over the ranks.
+    Every row evaluates in eval mode, where FP8 rows run in high precision as bf16 rows do (the
+    weights are compared, not the arithmetic), and outside torch.compile's wrapper, which would
+    compile the model again for eval mode. A step's training loss is one batch's, rounded to bf16:
+    too noisy at a few hundred steps to tell 1% apart."""
+    import torch
+    from real_text import batches
+
+    inner = getattr(model, "_orig_mod", model)
+    windows = [w[:, :spec["seq"]].to(device) for w in
+               batches(text_dir(args), "heldout", HELDOUT_BATCHES, spec, seed=4321 + dp_rank)]
+    inner.eval()
+    with torch.no_grad():
+        loss = torch.stack([inner(input_ids=w, labels=w).loss.float() for w in windows]).mean()
+    inner.train()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(loss)
+        loss /= torch.distributed.get_world_size()
+    return loss.item()
+
+
 def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: float, out: dict) -> dict:
     """The timed steps every strategy shares; `out` completed with the row's numbers."""
     import torch
@@ -627,6 +653,8 @@ def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: f
     out.update(fp8_facts(model, accelerator))
     if "experts" in spec and hasattr(accelerator, "fp8_reports"):
         out.update(experts_facts(accelerator, model))
+    if args.data == "text":  # after the counts were read: evaluation runs in high precision
+        out["heldout_loss"] = heldout_loss(model, spec, args, device, rank // tp)
     if cuda and args.profile:  # after the timed steps: every rank profiles (collectives), rank 0 reports
         out["profile"] = profile_steps(lambda: step(args.steps - 1), args.profile, top=40)
     if cuda:
@@ -780,6 +808,9 @@ def run_rows(args, meta: dict) -> list:
         ok = {r["row"]: r for r in rows if r.get("loss") is not None}
         for r in rows:  # FP8's cost in loss: against the bf16 row of the same compile mode
             r["loss_vs_bf16_pct"], r["loss_vs_bf16_of"] = loss_vs_bf16(r, ok, None)
+            base = ok.get(r["loss_vs_bf16_of"]) or {}
+            if r.get("heldout_loss") and base.get("heldout_loss"):
+                r["heldout_vs_bf16_pct"] = 100.0 * (r["heldout_loss"] - base["heldout_loss"]) / base["heldout_loss"]
         if args.json:
             write_json(args.json, dict(meta=meta, rows=rows))
     return rows
@@ -811,8 +842,8 @@ def table(meta: dict, rows: list) -> str:
         f"{meta['flops_per_token'] / 1e9:.1f} GFLOP/token{'' if floor is None else f'; loss floor {floor:.3f}'}",
         "",
         "| row | engine | FP8 linears | FP8 experts | tok/s/GPU | MFU | peak GB/GPU | first step s | loss "
-        "| loss vs bf16 % | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| loss vs bf16 % | held-out loss | held-out vs bf16 % | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         note = (r.get("error") or "").replace("|", "/")
@@ -826,7 +857,8 @@ def table(meta: dict, rows: list) -> str:
                      f"{f(r.get('tokens_per_s'), ',.0f')} | "
                      f"{f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | {f(r.get('peak_gb'), '.1f')} | "
                      f"{f(r.get('first_step_s'), '.0f')} | {f(r.get('loss'), '.4f')} | "
-                     f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {note.strip()} |")
+                     f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {f(r.get('heldout_loss'), '.4f')} | "
+                     f"{f(r.get('heldout_vs_bf16_pct'), '+.2f')} | {note.strip()} |")
     return "\n".join(lines) + "\n"
 
 

@@ -132,6 +132,8 @@ def test_moe_rows_on_real_text_on_two_cpu_processes(tmp_path):
     # counted from zero: every call of the 8 converted Linears and the 2 x 2 expert projections, 6 steps
     assert fp8["fp8_gemms"] == 6 * (8 + 2 * 2) and fp8["high_precision_gemms"] == 0
     assert fp8["loss_vs_bf16_of"] == "bf16-usercompiled" and abs(fp8["loss_vs_bf16_pct"]) < 5
+    # held-out text after training, evaluated alike (eval mode: high precision) in both rows
+    assert all(4 < row["heldout_loss"] < 8 for row in (bf16, fp8)) and abs(fp8["heldout_vs_bf16_pct"]) < 5
     assert "| fp8plug-native-usercompiled | native |" in proc.stdout and "| 2/2 |" in proc.stdout
 
 
