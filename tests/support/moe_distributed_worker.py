@@ -50,7 +50,7 @@ def global_batch(device="cpu", vocab: int = 128) -> torch.Tensor:
 def accelerator_for(strategy: str, cpu: bool):
     """fp8plug.Accelerator, native engine, every experts module converted (no speed filter: tiny
     experts would be kept in bf16); `strategy` "fsdp2" adds Accelerate's FSDP2 plugin, one unit
-    per decoder layer, switched on by hand on a CPU (benchmarks/distributed/fsdp2_llama.fsdp_on_cpu:
+    per decoder layer, switched on by hand on a CPU (benchmarks/distributed/parallel_setup.fsdp_on_cpu:
     accelerate 1.15 runs FSDP only on GPU-like distributed types)."""
     import fp8plug
 
@@ -66,7 +66,7 @@ def accelerator_for(strategy: str, cpu: bool):
     accelerator = fp8plug.Accelerator(mixed_precision="fp8", kwargs_handlers=handlers, fsdp_plugin=plugin, cpu=cpu)
     if plugin is not None and cpu:
         sys.path.insert(0, str(ROOT / "benchmarks" / "distributed"))
-        from fsdp2_llama import fsdp_on_cpu
+        from parallel_setup import fsdp_on_cpu
 
         fsdp_on_cpu(accelerator, plugin)
     if plugin is not None and not accelerator.is_fsdp2:

@@ -37,13 +37,13 @@ def accelerator_for(cls, world, **kwargs):
 
 def load(model_dir, accelerator):
     """The model with its tp_plan, its plain parameters (the norms) replicated on the tp mesh
-    (fsdp2_llama.replicate_unsharded says why)."""
+    (parallel_setup.replicate_unsharded says why)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", device_mesh=accelerator.torch_device_mesh,
                                                  dtype=torch.float32)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "distributed"))
-    from fsdp2_llama import replicate_unsharded
+    from parallel_setup import replicate_unsharded
 
     replicate_unsharded(model, accelerator.torch_device_mesh["tp"])
     return model.train()  # from_pretrained gives it in eval mode, where FP8 is off unless asked
