@@ -177,7 +177,7 @@ def gathered_cast(weight: torch.Tensor, transposed: bool = True):
     data = weight._data
     if not transposed:
         data_t = None
-    elif transposed_cast.usable(data) and data.dim() == 2 and not torch.compiler.is_compiling():
+    elif tile_cast.usable(data):  # eagerly on CUDA: the rule every eager Triton cast follows
         data_t = transposed_cast.transposed(data)
     else:  # compiled: the compiler writes the transposing kernel
         data_t = data.t().contiguous()
@@ -188,7 +188,7 @@ def _shard_cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     """A rank's shard in FP8 before the all-gather: quantize's bytes, in one pass on CUDA (FSDP2
     runs this outside any compiled code, twice a step with activation checkpointing or resharding,
     where quantize's torch ops read the float32 shard five times)."""
-    if dtype == tile_cast.E4M3 and shard.dim() == 2 and shard.numel() and tile_cast.usable(shard):
+    if dtype == tile_cast.E4M3 and shard.numel() and tile_cast.usable(shard):
         return tile_cast.cast_scaled(shard, scale)
     return quantize(shard, scale, dtype)
 
