@@ -474,10 +474,15 @@ def train_batches(spec: dict, args, rank: int):
 
     if args.data == "synthetic":
         return make_batches(spec, args.steps, seed=1234 + rank)
+    return torch.stack(text_windows(spec, args, "train", args.steps, seed=1234 + rank))
+
+
+def text_windows(spec: dict, args, name: str, count: int, seed: int) -> list:
+    """`count` (batch, seq) windows of --data text's token file `name` ("train", "heldout"), from
+    a seeded generator (real_text.batches, whose windows carry one more token, cut off here)."""
     from real_text import batches
 
-    windows = batches(text_dir(args), "train", args.steps, spec, seed=1234 + rank)
-    return torch.stack([w[:, :spec["seq"]] for w in windows])
+    return [w[:, :spec["seq"]] for w in batches(text_dir(args), name, count, spec, seed=seed)]
 
 
 def text_spec(args) -> dict:
@@ -500,11 +505,9 @@ def heldout_loss(model, spec: dict, args, device, dp_rank: int) -> float:
     compile the model again for eval mode. A step's training loss is one batch's, rounded to bf16:
     too noisy at a few hundred steps to tell 1% apart."""
     import torch
-    from real_text import batches
 
     inner = getattr(model, "_orig_mod", model)
-    windows = [w[:, :spec["seq"]].to(device) for w in
-               batches(text_dir(args), "heldout", HELDOUT_BATCHES, spec, seed=4321 + dp_rank)]
+    windows = [w.to(device) for w in text_windows(spec, args, "heldout", HELDOUT_BATCHES, seed=4321 + dp_rank)]
     inner.eval()
     with torch.no_grad():
         loss = torch.stack([inner(input_ids=w, labels=w).loss.float() for w in windows]).mean()
