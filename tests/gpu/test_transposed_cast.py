@@ -87,6 +87,22 @@ def test_the_amax_pass_reduces_every_segment():
     assert transposed_cast.column_amax(x, transposed_cast.ALL_ROWS, 1)[0, 0, 4] == float("inf")
 
 
+@pytest.mark.parametrize("sizes", [[2048, 700, 1300, 0, 16], [1, 600, 2, 5, 40]])
+def test_the_amax_pass_reduces_long_and_short_groups(sizes):
+    """A program whose rows lie in one group keeps an elementwise maximum and reduces it once; one
+    that a group starts inside walks 16-row pieces. Both give each group's column maxima."""
+    torch.manual_seed(4)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    layout = grouped.group_layout(offs, sum(sizes))
+    x = torch.randn(sum(sizes), 384, device="cuda", dtype=torch.bfloat16) * 3
+    x[sum(sizes) // 2, 5] = float("nan")  # read as inf
+    amax = transposed_cast.column_amax(x, transposed_cast.GROUPS, layout.experts, layout.source, layout.group,
+                                       layout.padded_rows)[0]
+    padded = grouped.pad_groups(x, layout).float().abs().nan_to_num(nan=float("inf"))
+    expected = torch.stack([padded[layout.group == e].amax(0) for e in range(layout.experts)])
+    assert torch.equal(amax, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(1792, 4096), (300, 192), (1, 7)])
 def test_the_shard_cast_with_a_known_scale_writes_quantize_bytes(dtype, rows, cols):

@@ -10,9 +10,10 @@ reduction and a transposed write that the compiler schedules poorly: on the benc
 reading it twice and writing it once costs, and the MoE experts' padded copies and casts cost
 more than their FP8 GEMMs saved (docs/performance.md, "Where the time goes").
 
-Here: pass one walks the tensor in row tiles, a program down a band of columns, and folds the
-column maxima into the amax of their segment (an atomic max a segment, not a tile: per 16-row
-tile, the MoE experts' amax pass took 0.6 ms a Mixtral projection); the scales are then worked
+Here: pass one walks the tensor in row tiles, a program down a band of columns, keeps the
+elementwise maximum of its tiles and reduces it across rows once, into one atomic max a column
+and segment (reduced per tile, through shared memory, the pass ran at a third of the bandwidth
+on a Mixtral gradient, 1.13 ms against 0.43 now; docs/moe.md); the scales are then worked
 out from the amaxes by the caller's own torch ops (so they are the bytes the torch path gives);
 pass two reads the tensor again, scales, casts, and writes the tile transposed. Rows can be
 gathered on the way (`source`: a padded token layout's row map, -1 for a zero row), so the
@@ -82,52 +83,59 @@ def _build():
                     GATHER: tl.constexpr, SEGMENTS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     STEPS: tl.constexpr, GR: tl.constexpr):
         """amax[b, segment, c] = max |x| over the segment's rows of column c (NaN read as inf). A
-        program walks STEPS tiles of BR rows down its columns, keeping the maxima in registers, and
-        folds them into the segment's amax (an atomic max) when the segment changes and at its end:
-        one atomic per column a segment and program, not one a tile. GROUPS: a group starts at a
-        multiple of GR rows, so a tile's maxima are taken per GR rows and folded in that order."""
+        program walks STEPS tiles of BR rows down its columns. Where its rows lie in one segment
+        (always for ALL_ROWS and TILES_128, whose programs walk one 128-row segment; for GROUPS
+        where no group starts inside them) it keeps an elementwise maximum of the tiles in
+        registers and reduces it across rows once, at the end, into one atomic max a column: a
+        reduction across rows is a trip through shared memory, which taken per tile held this
+        pass at a third of the bandwidth. A GROUPS program that a group starts inside walks
+        GR-row pieces (a group starts at a multiple of GR rows) and folds each group's maxima
+        when the next one opens."""
         pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
-        running = tl.zeros((BC,), dtype=tl.float32)
         first_row = pr.to(tl.int64) * (BR * STEPS)
-        if SEGMENTS == 2:
-            current = tl.load(seg_ptr + first_row).to(tl.int64)  # the grid starts every program inside
+        out = amax_ptr + b * n_segments * n_cols + cols
+        if SEGMENTS == 2:  # the grid starts every program inside
+            current = tl.load(seg_ptr + first_row).to(tl.int64)
+            last = tl.load(seg_ptr + tl.minimum(first_row + BR * STEPS, n_rows) - 1).to(tl.int64)
         else:
             current = (first_row // 128) if SEGMENTS == 1 else first_row * 0
-        for step in range(STEPS):
-            rows = first_row + step * BR + tl.arange(0, BR)
-            if GATHER:  # the row each row reads (-1: a zero row)
-                src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-                valid = (src >= 0) & (rows < n_rows)
-            else:
-                src, valid = rows, rows < n_rows
-            x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
-                        mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
-            a = tl.abs(x.to(tl.float32))
-            a = tl.where(a != a, float("inf"), a)
-            start = first_row + step * BR
-            if SEGMENTS == 2:
-                parts = tl.max(tl.reshape(a, (BR // GR, GR, BC)), axis=1)  # [BR // GR, BC]: each GR rows'
-                part_ids = tl.arange(0, BR // GR)
-                for j in tl.static_range(BR // GR):
-                    # past the end: the last row's group (those rows are zeros, and nothing is flushed for them)
-                    seg = tl.load(seg_ptr + tl.minimum(start + j * GR, n_rows - 1)).to(tl.int64)
+            last = current
+        if current == last:
+            acc = tl.zeros((BR, BC), dtype=tl.float32)
+            for step in range(STEPS):
+                rows = first_row + step * BR + tl.arange(0, BR)
+                if GATHER:  # the row each row reads (-1: a zero row)
+                    src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+                    valid = (src >= 0) & (rows < n_rows)
+                else:
+                    src, valid = rows, rows < n_rows
+                x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
+                            mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
+                a = tl.abs(x.to(tl.float32))
+                acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
+            tl.atomic_max(out + current * n_cols, tl.max(acc, axis=0), mask=cols < n_cols)
+        else:
+            running = tl.zeros((BC,), dtype=tl.float32)
+            for piece in range(STEPS * BR // GR):
+                start = first_row + piece * GR
+                if start < n_rows:
+                    seg = tl.load(seg_ptr + start).to(tl.int64)
                     if seg != current:  # another group opens: the last one's maxima are complete
-                        tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running,
-                                      mask=cols < n_cols)
+                        tl.atomic_max(out + current * n_cols, running, mask=cols < n_cols)
                         running = tl.zeros((BC,), dtype=tl.float32)
                         current = seg
-                    part = tl.max(tl.where((part_ids == j)[:, None], parts, 0.0), axis=0)
-                    running = tl.maximum(running, part)
-            else:
-                seg = (start // 128) if SEGMENTS == 1 else current
-                if seg != current:  # the tile opens another segment: the last one's maxima are complete
-                    tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running,
-                                  mask=cols < n_cols)
-                    running = tl.zeros((BC,), dtype=tl.float32)
-                    current = seg
-                running = tl.maximum(running, tl.max(a, axis=0))
-        tl.atomic_max(amax_ptr + (b * n_segments + current) * n_cols + cols, running, mask=cols < n_cols)
+                    rows = start + tl.arange(0, GR)
+                    if GATHER:
+                        src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+                        valid = (src >= 0) & (rows < n_rows)
+                    else:
+                        src, valid = rows, rows < n_rows
+                    x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
+                                mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
+                    a = tl.abs(x.to(tl.float32))
+                    running = tl.maximum(running, tl.max(tl.where(a != a, float("inf"), a), axis=0))
+            tl.atomic_max(out + current * n_cols, running, mask=cols < n_cols)
 
     @triton.jit
     def cast_transposed(x_ptr, src_ptr, seg_ptr, scale_ptr, y_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
