@@ -12,6 +12,9 @@ inductor and triton caches):
                        (grouped_mm is not autocast-aware), so the `bf16` rows' experts GEMMs run in float32
                        (compiled, through transformers' per-expert fallback loop); this row is the bf16
                        grouped_mm baseline an MoE user can also choose
+  bf16-bf16weights-skipmask  the same with fp8plug's attention change alone (fp8plug.hf.attention.skip_causal_mask:
+                       SDPA's causal kernel instead of the mask transformers builds when compiled), which the
+                       fp8plug rows get too: against it, what FP8 itself gains
   accelerate-ao        accelerate.Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
   fp8plug              fp8plug.Accelerator(mixed_precision="fp8")  (default recipe: grouped FP8 GEMM experts)
   fp8plug-bf16weights  the same on the model cast to bfloat16 first (against bf16-bf16weights: the FP8 casts read
@@ -75,6 +78,7 @@ MODELS = {
 BASES = {
     "bf16": ("accelerate", "bf16", {}),
     "bf16-bf16weights": ("accelerate", "bf16", dict(bf16_weights=True)),
+    "bf16-bf16weights-skipmask": ("accelerate", "bf16", dict(bf16_weights=True, skip_causal_mask=True)),
     "accelerate-ao": ("accelerate", "fp8", {}),
     "fp8plug": ("fp8plug", "fp8", {}),
     "fp8plug-bf16weights": ("fp8plug", "fp8", dict(bf16_weights=True)),
@@ -129,6 +133,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     model = build_model(spec, device)
     if options.get("bf16_weights"):
         model = model.to(torch.bfloat16)
+    if options.get("skip_causal_mask"):
+        from fp8plug.hf.attention import skip_causal_mask
+
+        skip_causal_mask(model)
     handlers = []
     if kind == "accelerate" and precision == "fp8":
         handlers = [accelerate.utils.AORecipeKwargs()]
@@ -254,11 +262,11 @@ def spawn(row: str, args, timeout: float) -> dict:
 
 def loss_vs_bf16(row: dict, ok: dict, ref: dict):
     """(row's loss - bf16's) / bf16's in %, against the bf16 row of the same compile mode where
-    there is one (else `ref`; a -bf16weights row against bf16-bf16weights): FP8's cost in loss, apart
+    there is one (else its attention-change row, else `ref`; a -bf16weights row against bf16-bf16weights): FP8's cost in loss, apart
     from what compiling changes."""
     mode = row["row"].rsplit("-", 1)[1]
     weights = "-bf16weights" if "-bf16weights-" in row["row"] else ""
-    base = ok.get(f"bf16{weights}-{mode}") or ref
+    base = ok.get(f"bf16{weights}-{mode}") or ok.get(f"bf16{weights}-skipmask-{mode}") or ref
     if not base or row.get("loss") is None or base.get("loss") is None:
         return None, None
     return 100.0 * (row["loss"] - base["loss"]) / base["loss"], base["row"]
