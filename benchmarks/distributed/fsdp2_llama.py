@@ -9,7 +9,7 @@ buffers stay real), so it is never whole on any host or GPU. Accelerate's FSDP2 
 shards, and each parameter is initialised from a seed of its own name (matrices normal(0, 0.02),
 norm weights 1, as transformers does), generated whole on the device one at a time and cut to the
 rank's shard: every row, at every world size, starts from the same weights (`init_sums` in the
-JSON). accelerate 1.15 maps the optimizer onto the sharded parameters by `data_ptr()`, 0 for every
+JSON; bench_model.py). accelerate 1.15 maps the optimizer onto the sharded parameters by `data_ptr()`, 0 for every
 meta tensor, so the optimizer is pointed at them again after prepare (`params_not_stepped` checks).
 
 The same in every row: full activation checkpointing per decoder layer through the plugin's
@@ -30,8 +30,9 @@ synthetic task, each rank its own batches. Rows:
 each `-usercompiled` (torch.compile(model) after prepare), `-regional` (Accelerate's
 TorchDynamoPlugin(use_regional_compilation=True): under FSDP2 each decoder layer is compiled in
 place before sharding) or `-eager`. Each row is one `python -m torch.distributed.run --standalone`
-launch with empty inductor/triton caches; this parent rewrites --json after each row, skips rows
---deadline leaves no time for, and ends a row at --timeout (keeping the steps it finished).
+launch with empty inductor/triton caches; this parent (row_launcher.py) rewrites --json after
+each row, skips rows --deadline leaves no time for, and ends a row at --timeout (keeping the steps
+it finished).
 
 `--tp N` trains every row tensor-parallel: Accelerate's ParallelismConfig(tp_size=N,
 dp_shard_size=nproc/N) (FSDP2 over the dp_shard dimension where that is above 1), the meta model
@@ -91,17 +92,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import math
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import zlib
 from pathlib import Path
 
 PROCESS_START = time.time()  # --deadline counts from here
@@ -110,16 +105,23 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training"), str(ROOT / "benc
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from bench_model import (  # noqa: E402
+    LLAMA3_8B,
+    build_meta_model,
+    build_zero3_model,
+    flops_per_token,
+    materialise,
+    weight_sums,
+)
 from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama import versions  # noqa: E402
-from hf_llama_measure import LOSS_WINDOW, dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
+from hf_llama_measure import dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
 from moe_llm import MODELS as MOE_MODELS  # noqa: E402
-from moe_llm import experts_facts, loss_vs_bf16, model_config  # noqa: E402
+from moe_llm import experts_facts  # noqa: E402
 from parallel_setup import fsdp_on_cpu, tensor_parallel, tp_on_cpu  # noqa: E402
+from row_launcher import run_rows, table, write_json  # noqa: E402
 
-LLAMA3_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, seq=8192, batch=1,
-                 rope_theta=500000.0)
 # --model: the Llama, or one of benchmarks/moe/moe_llm.py's MoE shapes (its builder: the same model as its rows)
 MODELS = dict(llama=LLAMA3_8B, **MOE_MODELS)
 # the size options (--layers, --expert-ffn, ...): every key some model's spec has, except what its name fixes
@@ -146,33 +148,6 @@ BASES = {
 MODES = ("usercompiled", "regional", "eager")
 ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = "bf16-usercompiled,fp8plug-usercompiled,accelerate-ao-usercompiled,fp8plug-regional"
-INIT_STD = 0.02  # transformers' initializer_range for Llama
-
-
-def parameter_counts(spec: dict) -> tuple:
-    """(all parameters, those outside the input embedding, those of them a token runs through) of
-    the model `spec` describes: an MoE token runs through top_k of the experts."""
-    d, head_dim = spec["hidden"], spec.get("head_dim") or spec["hidden"] // spec["heads"]
-    q, kv = spec["heads"] * head_dim, spec["kv_heads"] * head_dim
-    attention = 2 * d * q + 2 * d * kv + 2 * d  # q, o; k, v; two norms
-    if spec.get("arch") == "qwen3moe":
-        attention += 2 * head_dim  # q_norm, k_norm
-    if "experts" in spec:
-        router, expert = d * spec["experts"], 3 * d * spec["expert_ffn"]
-        layer, active = attention + router + spec["experts"] * expert, attention + router + spec["top_k"] * expert
-    else:
-        layer = active = attention + 3 * d * spec["intermediate"]
-    rest = d + spec["vocab"] * d  # final norm + lm_head
-    non_embedding = spec["layers"] * layer + rest
-    return non_embedding + spec["vocab"] * d, non_embedding, spec["layers"] * active + rest
-
-
-def flops_per_token(spec: dict) -> float:
-    """Model FLOPs per trained token: 6 x (parameters outside the input embedding that the token
-    runs through) + 12 x layers x attention width x seq (attention scores and values, forward and
-    backward)."""
-    head_dim = spec.get("head_dim") or spec["hidden"] // spec["heads"]
-    return 6 * parameter_counts(spec)[2] + 12 * spec["layers"] * spec["heads"] * head_dim * spec["seq"]
 
 
 # --- one row: every rank of a torch.distributed.run launch runs this --------------------------------
@@ -245,106 +220,6 @@ def zero3_plugin(spec: dict):
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=spec["batch"], train_batch_size=spec["batch"] * world,
                                    steps_per_print=10**9)
     return plugin
-
-
-def build_zero3_model(spec: dict, accelerator, device):
-    """The model built inside deepspeed.zero.Init (each layer partitioned as it is made: no
-    rank holds the whole model), every parameter then set from its per-name seed as `materialise`
-    does, one at a time (gathered, filled on rank 0, scattered back), and transformers' own
-    activation checkpointing per decoder layer."""
-    import deepspeed
-    import torch
-
-    meta = build_meta_model(spec)
-    with deepspeed.zero.Init(config_dict_or_path=accelerator.state.deepspeed_plugin.deepspeed_config):
-        model = type(meta)(meta.config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if accelerator.process_index == 0:
-                    gen = torch.Generator(device=device).manual_seed(zlib.crc32(canonical(name).encode()))
-                    full = torch.empty(param.shape, dtype=torch.float32, device=device)
-                    if full.dim() >= 2:
-                        full.normal_(0.0, INIT_STD, generator=gen)
-                    else:
-                        full.fill_(1.0)
-                    param.copy_(full)
-                    del full
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
-
-
-def build_meta_model(spec: dict):
-    """The model from its config (LlamaForCausalLM, or moe_llm.py's MoE model where `spec` has an
-    "arch"): parameters on meta, buffers (RoPE's) real, train mode."""
-    import accelerate
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if "arch" in spec:
-        cls, config = model_config(spec)
-        config.initializer_range = INIT_STD
-        with accelerate.init_empty_weights(include_buffers=False):
-            model = cls(config)
-        return model.train()
-    config = LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=spec["seq"], rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]},
-        initializer_range=INIT_STD, tie_word_embeddings=False, use_cache=False)
-    with accelerate.init_empty_weights(include_buffers=False):
-        model = LlamaForCausalLM(config)
-    return model.train()
-
-
-def canonical(name: str) -> str:
-    """A parameter's name without the wrappers' parts (activation checkpointing, torch.compile)."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("_orig_mod.", "").replace("._orig_mod", "")
-
-
-def materialise(model, device, seed: int = 0) -> None:
-    """Give the sharded meta model memory on `device` (each rank its shards) and initialise every
-    parameter from its own seed: matrices normal(0, INIT_STD), vectors 1. Each is generated whole,
-    one at a time, and cut to this rank's shard, so values do not depend on the world size."""
-    import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
-        for name, param in model.named_parameters():
-            gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(canonical(name).encode()))
-            full = torch.empty(param.shape, dtype=torch.float32, device=device)
-            if full.dim() >= 2:
-                full.normal_(0.0, INIT_STD, generator=gen)
-            else:
-                full.fill_(1.0)
-            target = param
-            if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                target = param.to_local()
-            inner = getattr(target, "_tensor", None)  # torchao's float8 all-gather weight wraps the storage
-            (inner if isinstance(inner, torch.Tensor) else target).copy_(full)
-            del full
-
-
-def weight_sums(model, device) -> list:
-    """The sum and the sum of squares of all weights, over all ranks: equal in every row and for
-    every world size if the initialisation is (up to float64 rounding)."""
-    import torch
-
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            t = getattr(t, "_tensor", t)
-            t = getattr(p, "ds_tensor", t)  # ZeRO-3: this rank's partition (zero padding adds nothing)
-            sums += torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64) ** 2])
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(sums)
-    return [round(x, 6) for x in sums.tolist()]
 
 
 def rebind_optimizer(optimizer, model) -> None:
@@ -593,14 +468,7 @@ def run_row(args) -> int:
     os._exit(0)  # skip process-group and compile-worker teardown, which can hang after NCCL work
 
 
-# --- the parent: one launch per row, the table -------------------------------------------------------
-
-
-def write_json(path, data) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+# --- the parent: what launches one row (benchmarks/distributed/row_launcher.py runs the rows) --------------
 
 
 def child_command(row: str, args, path: Path) -> list:
@@ -615,156 +483,6 @@ def child_command(row: str, args, path: Path) -> list:
             "--compile-backend", args.compile_backend, "--strategy", args.strategy,
             "--peak-tflops", str(args.peak_tflops), "--tp", str(args.tp), "--profile", str(args.profile),
             "--t0", str(time.time())]
-
-
-def stop(proc, tmp: Path) -> None:
-    """End a row's launch: SIGTERM to the launcher (it ends its workers), then SIGKILL to whatever
-    is left of it and of the workers (their own process groups; pids they wrote at start)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid_file in tmp.glob("row.json.pid*"):
-        try:
-            pid = int(pid_file.read_text())
-            if Path(__file__).name in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):  # still ours
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def partial(row: str, tmp: Path, args, why: str) -> dict:
-    """A row ended early, with what its progress file says: the steps it finished, timed as usual
-    where some came after the warm-up."""
-    result = dict(row=row, error=why)
-    progress = tmp / "row.json.progress"
-    if progress.exists():
-        data = json.loads(progress.read_text())
-        ms, losses = data.pop("step_ms_all"), data.pop("losses")
-        result.update(data, steps_done=len(ms), step_ms_all=[round(x, 2) for x in ms])
-        if len(ms) > args.warmup:
-            result["step_ms"] = statistics.median(ms[args.warmup:])
-            result["tokens_per_s"] = args.spec["batch"] * args.spec["seq"] / (result["step_ms"] / 1e3) / args.tp
-            result["mfu"] = result["tokens_per_s"] * flops_per_token(args.spec) / (args.peak_tflops * 1e12)
-            result["loss"] = sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:])
-        result["error"] = f"{why} after {len(ms)} of {args.steps} steps"
-    return result
-
-
-def spawn(row: str, args, timeout: float) -> dict:
-    """One row's launch, with empty compile caches (unless --warm-cache); its result, an error
-    from the rank that failed first, or what it finished before --timeout."""
-    with tempfile.TemporaryDirectory(prefix="fsdp2_llama_") as name:
-        tmp = Path(name)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        if not args.warm_cache:
-            env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), TRITON_CACHE_DIR=str(tmp / "triton"))
-        log_path = Path(args.logs) / f"{row}.log" if args.logs else tmp / "row.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(child_command(row, args, tmp / "row.json"), stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=str(ROOT), env=env, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                stop(proc, tmp)
-                rc = None
-        tail = log_path.read_text(errors="replace")[-3000:]
-        if (tmp / "row.json").exists():
-            return json.loads((tmp / "row.json").read_text())
-        sys.stderr.write(tail)
-        errors = sorted(tmp.glob("row.json.rank*.err"), key=lambda p: p.stat().st_mtime)
-        if errors:  # the rank that failed first
-            return dict(partial(row, tmp, args, "failed"), error=json.loads(errors[0].read_text())["error"])
-        last = " | ".join(tail.strip().splitlines()[-2:])[-300:]
-        why = f"timed out after {timeout:.0f} s" if rc is None else f"launch exited {rc}: {last}"
-        return partial(row, tmp, args, why)
-
-
-def run_rows(args, meta: dict) -> list:
-    """Each row in turn. A row is skipped when less time is left before --deadline than
-    --min-row-s or than 0.75 x the fastest row so far took; a row runs for at most the time left."""
-    rows, took = [], []
-    names = [r.strip() for r in args.rows.split(",") if r.strip()]
-    for i, row in enumerate(names, 1):
-        left = args.deadline - (time.time() - PROCESS_START) if args.deadline else math.inf
-        need = max(args.min_row_s, 0.75 * min(took)) if took else args.min_row_s
-        if left < need:
-            why = f"not run: {left:.0f} s left before --deadline, a row needs about {need:.0f}"
-            rows.append(dict(row=row, error=why))
-        else:
-            print(f"[{i}/{len(names)}] {row} ({args.nproc} processes) ...", file=sys.stderr, flush=True)
-            start = time.time()
-            rows.append(spawn(row, args, min(args.timeout, left)))
-            if rows[-1].get("tokens_per_s"):
-                took.append(time.time() - start)
-            r = rows[-1]
-            print(f"    {r.get('error') or 'ok'}: tok/s/GPU {r.get('tokens_per_s')}, first step "
-                  f"{r.get('first_step_s')} s, loss {r.get('loss')}, {time.time() - start:.0f} s",
-                  file=sys.stderr, flush=True)
-        meta["device"] = next((r["device"] for r in rows if r.get("device")), None)
-        ok = {r["row"]: r for r in rows if r.get("loss") is not None}
-        for r in rows:  # FP8's cost in loss: against the bf16 row of the same compile mode
-            r["loss_vs_bf16_pct"], r["loss_vs_bf16_of"] = loss_vs_bf16(r, ok, None)
-            base = ok.get(r["loss_vs_bf16_of"]) or {}
-            if r.get("heldout_loss") and base.get("heldout_loss"):
-                r["heldout_vs_bf16_pct"] = 100.0 * (r["heldout_loss"] - base["heldout_loss"]) / base["heldout_loss"]
-        if args.json:
-            write_json(args.json, dict(meta=meta, rows=rows))
-    return rows
-
-
-def parallelism(meta: dict) -> str:
-    """How the rows shard the model, in words, for the table's heading."""
-    tp = meta.get("tp", 1)
-    if tp <= 1:
-        return "FSDP2" if meta.get("strategy", "fsdp2") == "fsdp2" else "DeepSpeed ZeRO-3"
-    dp_shard = meta["nproc"] // tp
-    return f"tensor parallel {tp}" + (f" x FSDP2 {dp_shard}" if dp_shard > 1 else "")
-
-
-def table(meta: dict, rows: list) -> str:
-    def f(value, spec, suffix=""):
-        return "-" if value is None else format(value, spec) + suffix
-
-    s = meta["spec"]
-    ffn = (f"{s['experts']} experts top-{s['top_k']}, expert ffn {s['expert_ffn']}" if "experts" in s
-           else f"ffn {s['intermediate']}")
-    floor = meta.get("loss_floor")
-    lines = [
-        f"{meta.get('model', 'llama')}: {s['layers']} layers, hidden {s['hidden']}, {ffn}, "
-        f"{s['heads']}/{s['kv_heads']} heads, vocab {s['vocab']}; {parallelism(meta)} over {meta['nproc']} x "
-        f"{meta.get('device') or '-'}, batch {s['batch']} x {s['seq']} tokens per GPU"
-        f"{', per-layer activation checkpointing' if s.get('checkpointing', True) else ''}; {meta['steps']} steps "
-        f"({meta['warmup']} warm-up) on {meta.get('data', 'synthetic')} data; MFU at {meta['peak_tflops']:g} TFLOP/s, "
-        f"{meta['flops_per_token'] / 1e9:.1f} GFLOP/token{'' if floor is None else f'; loss floor {floor:.3f}'}",
-        "",
-        "| row | engine | FP8 linears | FP8 experts | tok/s/GPU | MFU | peak GB/GPU | first step s | loss "
-        "| loss vs bf16 % | held-out loss | held-out vs bf16 % | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        note = (r.get("error") or "").replace("|", "/")
-        if r.get("params_not_stepped"):
-            note += f" {r['params_not_stepped'] / 1e6:.1f}M parameters not stepped"
-        if r.get("te_modules") and not r.get("te_modules_ran_fp8"):
-            note += " TE layers ran outside FP8 autocast (bf16)"
-        fp8 = "-" if r.get("fp8_modules") is None else f"{r['fp8_modules']}/{r.get('linears')}"
-        experts = "-" if r.get("experts_total") is None else f"{r['experts_fp8']}/{r['experts_total']}"
-        lines.append(f"| {r['row']} | {r.get('engine') or '-'} | {fp8} | {experts} | "
-                     f"{f(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | {f(r.get('peak_gb'), '.1f')} | "
-                     f"{f(r.get('first_step_s'), '.0f')} | {f(r.get('loss'), '.4f')} | "
-                     f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {f(r.get('heldout_loss'), '.4f')} | "
-                     f"{f(r.get('heldout_vs_bf16_pct'), '+.2f')} | {note.strip()} |")
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
@@ -855,7 +573,7 @@ def main(argv=None) -> int:
         from real_text import prepare_data
 
         meta["text"] = prepare_data(text_dir(args), text_spec(args))
-    rows = run_rows(args, meta)
+    rows = run_rows(args, meta, child_command, PROCESS_START)
     print(table(meta, rows))
     return 0 if any(r.get("tokens_per_s") and not r.get("error") for r in rows) else 1
 

@@ -262,8 +262,8 @@ def spawn(row: str, args, timeout: float) -> dict:
 
 def loss_vs_bf16(row: dict, ok: dict, ref: dict):
     """(row's loss - bf16's) / bf16's in %, against the bf16 row of the same compile mode where
-    there is one (else its attention-change row, else `ref`; a -bf16weights row against bf16-bf16weights): FP8's cost in loss, apart
-    from what compiling changes."""
+    there is one (else its attention-change row, else `ref`; a -bf16weights row against
+    bf16-bf16weights): FP8's cost in loss, apart from what compiling changes."""
     mode = row["row"].rsplit("-", 1)[1]
     weights = "-bf16weights" if "-bf16weights-" in row["row"] else ""
     base = ok.get(f"bf16{weights}-{mode}") or ok.get(f"bf16{weights}-skipmask-{mode}") or ref

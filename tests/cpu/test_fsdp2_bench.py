@@ -1,8 +1,9 @@
-"""benchmarks/distributed/fsdp2_llama.py on the CPU: the FLOP count behind its MFU, the parent's
-row bookkeeping (deadline, rows cut short) without launching anything, and tiny rows launched for
-real (two gloo processes, FSDP2 switched on by hand as the script does on a CPU): a Llama row,
-whose JSON must hold every reported field, a finite loss and every weight in the optimizer, and
-the MoE model (`--model toy`, moe_llm.py's Mixtral) on real text, bf16 against FP8 experts."""
+"""benchmarks/distributed/fsdp2_llama.py on the CPU: the FLOP count behind its MFU
+(bench_model.py), the parent's row bookkeeping (row_launcher.py: deadline, rows cut short)
+without launching anything, and tiny rows launched for real (two gloo processes, FSDP2 switched
+on by hand as the script does on a CPU): a Llama row, whose JSON must hold every reported field,
+a finite loss and every weight in the optimizer, and the MoE model (`--model toy`, moe_llm.py's
+Mixtral) on real text, bf16 against FP8 experts."""
 
 import json
 import math
@@ -17,7 +18,9 @@ from tests.support.processes import child_env
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "distributed" / "fsdp2_llama.py"
 sys.path.insert(0, str(SCRIPT.parent))
-import fsdp2_llama  # noqa: E402
+import bench_model  # noqa: E402
+import fsdp2_llama  # noqa: E402  (before row_launcher: it puts the benchmarks' folders on sys.path)
+import row_launcher  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
         "--vocab", "256", "--seq", "32"]
@@ -25,10 +28,10 @@ TINY = ["--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", 
 
 def test_parameter_count_and_flops_are_llama3_8b():
     args = fsdp2_llama.parse_args([])
-    total, non_embedding, active = fsdp2_llama.parameter_counts(args.spec)
+    total, non_embedding, active = bench_model.parameter_counts(args.spec)
     assert total == 8_030_261_248  # Llama-3-8B
     assert non_embedding == active == total - 128256 * 4096
-    assert fsdp2_llama.flops_per_token(args.spec) == 6 * non_embedding + 12 * 32 * 4096 * 8192
+    assert bench_model.flops_per_token(args.spec) == 6 * non_embedding + 12 * 32 * 4096 * 8192
 
 
 @pytest.mark.parametrize("model", ["toy", "mixtral", "qwen3moe"])
@@ -36,8 +39,8 @@ def test_moe_parameter_counts_are_the_built_models(model):
     """parameter_counts against the model moe_llm.py's builder makes (on meta, one layer): all of
     them, and those a token runs through (top_k of the experts)."""
     args = fsdp2_llama.parse_args(["--model", model, "--layers", "1"])
-    built = fsdp2_llama.build_meta_model(args.spec)
-    total, non_embedding, active = fsdp2_llama.parameter_counts(args.spec)
+    built = bench_model.build_meta_model(args.spec)
+    total, non_embedding, active = bench_model.parameter_counts(args.spec)
     assert total == sum(p.numel() for p in built.parameters())
     assert non_embedding == total - built.get_input_embeddings().weight.numel()
     experts = built.model.layers[0].mlp.experts
@@ -59,8 +62,8 @@ def test_model_sizes_and_their_defaults():
 def test_rows_past_the_deadline_are_reported_not_run(tmp_path, monkeypatch):
     args = fsdp2_llama.parse_args(["--rows", "bf16-eager,fp8plug-regional", "--deadline", "1", "--nproc", "2",
                                    "--json", str(tmp_path / "out.json")])
-    monkeypatch.setattr(fsdp2_llama, "spawn", lambda *a: pytest.fail("a row was launched past the deadline"))
-    rows = fsdp2_llama.run_rows(args, dict(spec=args.spec))
+    monkeypatch.setattr(row_launcher, "spawn", lambda *a: pytest.fail("a row was launched past the deadline"))
+    rows = row_launcher.run_rows(args, dict(spec=args.spec), fsdp2_llama.child_command, fsdp2_llama.PROCESS_START)
     assert [r["error"].startswith("not run") for r in rows] == [True, True]
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == rows
 
@@ -70,11 +73,11 @@ def test_a_row_cut_short_reports_the_steps_it_finished(tmp_path):
     progress = dict(first_step_s=50.0, fp8_modules=14, step_ms_all=[9000.0, 100.0, 100.0, 120.0, 100.0],
                     losses=[6.0, 5.9, 5.8, 5.7, 5.6])
     (tmp_path / "row.json.progress").write_text(json.dumps(progress))
-    row = fsdp2_llama.partial("bf16-eager", tmp_path, args, "timed out after 60 s")
+    row = row_launcher.partial("bf16-eager", tmp_path, args, "timed out after 60 s")
     assert row["error"] == "timed out after 60 s after 5 of 10 steps"
     assert row["step_ms"] == 100.0 and row["tokens_per_s"] == 32 / 0.1
     assert row["first_step_s"] == 50.0 and row["loss"] == pytest.approx(5.8)
-    assert "tok/s/GPU" in fsdp2_llama.table(dict(spec=args.spec, nproc=1, steps=10, warmup=2, peak_tflops=989.0,
+    assert "tok/s/GPU" in row_launcher.table(dict(spec=args.spec, nproc=1, steps=10, warmup=2, peak_tflops=989.0,
                                                  flops_per_token=1e9), [row])
 
 
@@ -97,7 +100,7 @@ def test_tiny_row_on_two_cpu_processes(tmp_path):
         assert row.get(field) is not None, field
     assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10
     assert row["world_size"] == 2 and row["params_not_stepped"] == 0
-    assert row["parameters"] == fsdp2_llama.parameter_counts(data["meta"]["spec"])[0]
+    assert row["parameters"] == bench_model.parameter_counts(data["meta"]["spec"])[0]
     assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
     assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
     assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
@@ -144,7 +147,7 @@ def test_tp_option_is_checked():
         fsdp2_llama.parse_args(["--tp", "2", "--nproc", "3"])
     args = fsdp2_llama.parse_args(["--tp", "2", "--nproc", "4"])
     assert "--tp" in fsdp2_llama.child_command("bf16-eager", args, Path("x.json"))
-    assert fsdp2_llama.parallelism(dict(tp=2, nproc=4)) == "tensor parallel 2 x FSDP2 2"
+    assert row_launcher.parallelism(dict(tp=2, nproc=4)) == "tensor parallel 2 x FSDP2 2"
 
 
 @pytest.mark.slow
