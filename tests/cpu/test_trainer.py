@@ -284,7 +284,13 @@ def test_two_cpu_processes_under_deepspeed_zero2(tmp_path):
            "--steps", "12", "--compare-bf16", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(tmp_path, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    output = proc.stdout + proc.stderr
+    written = all((out / f"rank{rank}.json").exists() for rank in (0, 1))
+    # Rarely a rank aborts in gloo's thread teardown after the script has returned (pytorch#190489,
+    # which end_training() makes rarer, not impossible): its results are whole, so they are checked
+    # below; any other failure fails here.
+    teardown_abort = written and "terminate called without an active exception" in output
+    assert proc.returncode == 0 or teardown_abort, output[-3000:]
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert (result["distributed_type"], result["wrapper"], result["processes"]) == (
