@@ -12,13 +12,13 @@ more than their FP8 GEMMs saved (docs/performance.md, "Where the time goes").
 
 Here: pass one walks the tensor in row tiles, a program down a band of columns, keeps the
 elementwise maximum of its tiles and reduces it across rows once, into one atomic max a column
-and segment (reduced per tile, through shared memory, the pass ran at a third of the bandwidth
-on a Mixtral gradient, 1.13 ms against 0.43 now; docs/moe.md); the scales are then worked
-out from the amaxes by the caller's own torch ops (so they are the bytes the torch path gives);
-pass two reads the tensor again, scales, casts, and writes the tile transposed. Rows can be
-gathered on the way (`source`: a padded token layout's row map, -1 for a zero row), so the
-grouped GEMM's padding costs no copy of its own; a leading batch dimension (an experts weight
-[E, N, K]) is one more grid axis.
+and segment (reduced per tile, through shared memory, the pass read a Mixtral gradient at a
+sixth of the bandwidth: 1.13 ms against 0.43 now, 0.20 for its bytes; docs/moe.md); the scales
+are then worked out from the amaxes by the caller's own torch ops (so they are the bytes the
+torch path gives); pass two reads the tensor again, scales, casts, and writes the tile
+transposed. Rows can be gathered on the way (`source`: a padded token layout's row map, -1 for
+a zero row), so the grouped GEMM's padding costs no copy of its own; a leading batch dimension
+(an experts weight [E, N, K]) is one more grid axis.
 
 `rows_cast` is the grouped GEMM's token cast with that gather: one scale per row, written as is.
 
@@ -87,10 +87,10 @@ def _build():
         (always for ALL_ROWS and TILES_128, whose programs walk one 128-row segment; for GROUPS
         where no group starts inside them) it keeps an elementwise maximum of the tiles in
         registers and reduces it across rows once, at the end, into one atomic max a column: a
-        reduction across rows is a trip through shared memory, which taken per tile held this
-        pass at a third of the bandwidth. A GROUPS program that a group starts inside walks
-        GR-row pieces (a group starts at a multiple of GR rows) and folds each group's maxima
-        when the next one opens."""
+        reduction across rows is a trip through shared memory, which taken per tile (per 16 rows
+        for GROUPS) held this pass to a sixth of the bandwidth. A GROUPS program that a group
+        starts inside walks GR-row pieces (a group starts at a multiple of GR rows) and folds
+        each group's maxima when the next one opens."""
         pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         first_row = pr.to(tl.int64) * (BR * STEPS)
