@@ -9,8 +9,9 @@ buffers stay real), so it is never whole on any host or GPU. Accelerate's FSDP2 
 shards, and each parameter is initialised from a seed of its own name (matrices normal(0, 0.02),
 norm weights 1, as transformers does), generated whole on the device one at a time and cut to the
 rank's shard: every row, at every world size, starts from the same weights (`init_sums` in the
-JSON; bench_model.py). accelerate 1.15 maps the optimizer onto the sharded parameters by `data_ptr()`, 0 for every
-meta tensor, so the optimizer is pointed at them again after prepare (`params_not_stepped` checks).
+JSON; bench_model.py). accelerate 1.15 maps the optimizer onto the sharded parameters by
+`data_ptr()`, 0 for every meta tensor, so the optimizer is pointed at them again after prepare
+(`params_not_stepped` checks).
 
 The same in every row: full activation checkpointing per decoder layer through the plugin's
 `activation_checkpointing=True` (torch's non-reentrant checkpoint_wrapper, before sharding); mixed
