@@ -1,6 +1,7 @@
 """benchmarks/moe's bookkeeping without launching a row: the loss against the bf16 row of the
 same compile mode, the issue's model shapes, every base in every compile mode, and the
-unfused-casts switch of grouped_gemm.py putting the fused casts back. (A toy row end to end:
+unfused-casts switch of grouped_gemm.py putting the fused casts back, its per-expert dense weight
+gradient against the grouped kernel. (A toy row end to end:
 `python3 benchmarks/moe/moe_llm.py --device cpu --model toy --steps 4 --backend native
 --compile-backend aot_eager`, about 2 minutes here, mostly imports.)"""
 
@@ -60,3 +61,21 @@ def test_unfused_run_restores_the_fused_casts():
     fused, seen = grouped._fused, []
     grouped_gemm.unfused(lambda: seen.append(grouped._fused(None)))()
     assert seen == [False] and grouped._fused is fused
+
+
+def test_the_dense_weight_gradient_per_expert_is_the_grouped_kernels():
+    """grouped_gemm.py's per-expert dense weight gradient (one scaled GEMM per expert's columns)
+    against the grouped kernel's, both emulated here: the same values, groups of any size
+    (an empty one included: 16 zero rows), the bounds read from the layout."""
+    import torch
+
+    from fp8plug.backends.native import grouped
+
+    torch.manual_seed(0)
+    sizes = torch.tensor([37, 0, 90, 5])
+    layout = grouped.group_layout(sizes.cumsum(0).to(torch.int32), int(sizes.sum()))
+    x, g = torch.randn(int(sizes.sum()), 48), torch.randn(int(sizes.sum()), 32)
+    cases, facts = grouped_gemm.dense_wgrad_cases(x, g, layout)
+    assert facts["wgrad_dense_copies"] is False and facts["wgrad_dense_max_rel_diff"] == 0.0
+    assert grouped_gemm.group_bounds(layout) == [(0, 48), (48, 64), (64, 160), (160, 176)]
+    assert cases["fp8_gemm_wgrad_dense"]().shape == (4, 32, 48)
