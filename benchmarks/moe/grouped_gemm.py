@@ -13,10 +13,10 @@ get several times the mean load, as trained routers do), times:
   fp8 unfused  forward + backward with the casts as separate torch ops (what eager training ran
             before grouped_cast.py fused them; the same bytes)
   fp8 dense wgrad  the weight gradient as one dense FP8 GEMM per expert instead of the grouped
-            kernel (`dense_weight_gradient`: torch._scaled_mm on the expert's columns of the same
-            operands, written into its slice of the result), with the groups' bounds known on the
-            host, and again reading them from the GPU every call (the sync a training step would
-            pay); its largest difference from the grouped kernel's result is reported
+            kernel (grouped.dense_weight_gradient: torch._scaled_mm on the expert's columns of the
+            same operands, written into its slice of the result), with the groups' bounds known on
+            the host, and again reading them from the GPU every call (the sync a training step
+            pays); its largest difference from the grouped kernel's result is reported
 
 and reports milliseconds, TFLOP/s of the useful work (2 * rows * K * N a GEMM, three GEMMs for
 forward + backward; padding rows not counted as work) and that as a share of the GPU's dense peak
@@ -42,7 +42,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fp8plug.backends.gemm import scaled_mm  # noqa: E402
 from fp8plug.backends.native import grouped  # noqa: E402
 
 # model -> (tokens, experts, top_k, hidden, expert ffn): B4 x T2048 of moe_llm.py's models
@@ -198,59 +197,26 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> dict:
     }
 
 
-def dense_weight_gradient(g_t8: torch.Tensor, g_t_inv: torch.Tensor, x_t8: torch.Tensor, x_t_inv: torch.Tensor,
-                          bounds, experts: int, copy: bool = False) -> torch.Tensor:
-    """[E, N, K] bf16: expert e's weight gradient g_t8[:, s:e] @ x_t8[:, s:e].T, with its rowwise
-    scales, as one dense FP8 GEMM per expert. Why measured: the grouped kernel reaches a third of
-    the FP8 peak on the weight gradient (docs/moe.md), where dense GEMMs of an expert's size reach
-    more; with few experts the launches are few. `bounds`: each group's (start, end) column on the
-    host (groups padded to 16, so every slice is aligned as the GEMM needs); `copy`: each slice
-    made contiguous first."""
-    n, k = g_t8.shape[0], x_t8.shape[0]
-    out = torch.empty(experts, n, k, device=g_t8.device, dtype=torch.bfloat16)
-    scale_a, scale_b = g_t_inv.view(experts, n, 1), x_t_inv.view(experts, 1, k)
-    for e, (start, end) in enumerate(bounds):
-        a, b = g_t8[:, start:end], x_t8[:, start:end].t()
-        if copy:
-            a, b = a.contiguous(), b.t().contiguous().t()
-        if g_t8.device.type == "cuda":
-            torch._scaled_mm(a, b, scale_a=scale_a[e], scale_b=scale_b[e], out_dtype=torch.bfloat16, out=out[e])
-        else:
-            out[e].copy_(scaled_mm(a.contiguous(), b, scale_a[e], scale_b[e], torch.bfloat16))
-    return out
-
-
 def dense_wgrad_cases(x: torch.Tensor, g: torch.Tensor, layout):
-    """The per-expert dense weight gradient's timed cases (bounds known; bounds read from the GPU
-    each call) and its facts: whether torch's _scaled_mm took the operands' column slices as they
-    are (else each slice is copied first, inside the timing), and the largest difference from the
-    grouped kernel's result relative to that result's largest magnitude (both accumulate in
-    float32)."""
+    """The per-expert dense weight gradient's timed cases (the groups' bounds known; read from the
+    GPU each call) and its largest difference from the grouped kernel's result, relative to that
+    result's largest magnitude (both accumulate in float32), or why it could not run."""
     g_t8, g_t_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
     x_t8, x_t_inv = grouped.groupwise_columns(grouped.pad_groups(x.detach(), layout), layout)
-    bounds, experts = group_bounds(layout), layout.experts
+    bounds = grouped.group_bounds(layout)
 
-    def dense(bounds, copy):
-        return dense_weight_gradient(g_t8, g_t_inv, x_t8, x_t_inv, bounds, experts, copy)
+    def dense(bounds):
+        return grouped.dense_weight_gradient(g_t8, g_t_inv, x_t8, x_t_inv, bounds)
 
-    facts = {}
     try:
-        result, copy = dense(bounds, False), False
-    except RuntimeError as exc:  # a strided slice this torch's _scaled_mm refuses
-        facts["wgrad_dense_strided_error"] = str(exc).splitlines()[0][:200]
-        result, copy = dense(bounds, True), True
-    ref = grouped.scaled_grouped_mm(g_t8, x_t8.t(), g_t_inv, x_t_inv, layout.offs, torch.bfloat16, False).float()
-    facts.update(wgrad_dense_copies=copy,
-                 wgrad_dense_max_rel_diff=float((result.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))
-    cases = {"fp8_gemm_wgrad_dense": lambda: dense(bounds, copy),
-             "fp8_gemm_wgrad_dense_sync": lambda: dense(group_bounds(layout), copy)}
+        ref = grouped.scaled_grouped_mm(g_t8, x_t8.t(), g_t_inv, x_t_inv, layout.offs, torch.bfloat16, False).float()
+        diff = float((dense(bounds).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+        facts = dict(wgrad_dense_max_rel_diff=diff)
+    except RuntimeError as exc:  # this torch's _scaled_mm refused the column slices: the cases say so too
+        facts = dict(wgrad_dense_error=str(exc).splitlines()[0][:200])
+    cases = {"fp8_gemm_wgrad_dense": lambda: dense(bounds),
+             "fp8_gemm_wgrad_dense_sync": lambda: dense(grouped.group_bounds(layout))}
     return cases, facts
-
-
-def group_bounds(layout) -> list:
-    """Each padded group's (start, end) row, read from the GPU (a sync)."""
-    ends = layout.offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
 
 
 def per_gemm(r: dict) -> dict:

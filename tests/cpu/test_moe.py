@@ -125,6 +125,28 @@ def test_a_converted_weight_gradient_made_in_pieces_equals_the_whole_one(monkeyp
     assert sqnr_db(pieces, reference.transpose(-2, -1) if transposed else reference) > 25
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_the_weight_gradient_as_dense_gemms_per_expert_equals_the_grouped_one(monkeypatch, weight_dtype):
+    """With DENSE_WEIGHT_GRADIENT_MAX_EXPERTS at or above the experts, the weight gradient is one
+    dense FP8 GEMM per expert (groups' bounds read from the layout), whole or in pieces (float32
+    weights): the same values as the grouped kernel's, emulated here."""
+    torch.manual_seed(1)
+    k, n = 32, 48
+    x = torch.randn(sum(GROUP_SIZES), k).to(torch.bfloat16)
+    w = torch.randn(len(GROUP_SIZES), n, k).to(weight_dtype).requires_grad_()
+    grad = torch.randn(sum(GROUP_SIZES), n).to(torch.bfloat16)
+    monkeypatch.setattr(grouped, "WEIGHT_GRADIENT_PIECE_BYTES", len(GROUP_SIZES) * k * 2 * 16)  # 16 rows a piece
+
+    def weight_gradient(max_experts):
+        monkeypatch.setattr(grouped, "DENSE_WEIGHT_GRADIENT_MAX_EXPERTS", max_experts)
+        out = grouped.grouped_fp8_linear(x, w, _offsets(GROUP_SIZES))
+        return torch.autograd.grad(out, w, grad)[0]
+
+    dense, grouped_result = weight_gradient(len(GROUP_SIZES)), weight_gradient(0)
+    assert dense.dtype == weight_dtype and torch.equal(dense, grouped_result)
+    assert dense.abs().sum() > 0
+
+
 def test_a_non_finite_input_row_stays_visible():
     x = torch.randn(sum(GROUP_SIZES), 32)
     x[3, 0] = float("inf")

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
+from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float, scaled_mm
 from fp8plug.backends.native import compiled_ops, grouped_cast, transposed_cast
 from fp8plug.backends.native.grouped_cast import (  # the casts' constants, written once there
     AMAX_FLOOR,  # an all-zero row (padding) gets a finite scale
@@ -316,6 +316,8 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
 
     def product(columns: torch.Tensor) -> torch.Tensor:  # [S, n] -> [E, n, K] in out_dtype
         g_t, g_t_inv = cast_weight_grad_operand(columns, layout)
+        if layout.experts <= DENSE_WEIGHT_GRADIENT_MAX_EXPERTS:
+            return dense_weight_gradient(g_t, g_t_inv, x_t, x_t_inv, group_bounds(layout), out_dtype)
         return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
 
     if out_dtype == weight.dtype:
@@ -328,6 +330,41 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
     for start in range(0, n, rows):
         grad_nk[:, start:start + rows].copy_(product(grad_out[:, start:start + rows]))
     return grad
+
+
+# Experts up to this many make their weight gradient as one dense FP8 GEMM each
+# (`dense_weight_gradient`) rather than in torch._scaled_grouped_mm; 0: never. The dense GEMMs on
+# the same operands were faster at Mixtral's shapes (8 experts, about 2048 tokens each; one H200,
+# grouped_gemm.py): 4.25 against 5.29 ms for gate_up and 2.11 against 2.49 for down, reading the
+# groups' bounds from the GPU (a sync) included. Off until a training step measures it: the sync
+# stops the host running ahead of the GPU (benchmarks/moe/moe_llm.py's `-densewgrad` rows).
+DENSE_WEIGHT_GRADIENT_MAX_EXPERTS = 0
+
+
+def group_bounds(layout: GroupLayout) -> list:
+    """Each padded group's (start, end) row on the host: the layout's ends, read from the device
+    (a sync where that is a GPU)."""
+    ends = layout.offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def dense_weight_gradient(g_t: torch.Tensor, g_t_inv: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor,
+                          bounds: list, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight gradient [E, N, K] as one dense FP8 GEMM per expert: g_t[:, group] @
+    x_t[:, group].T with the group's rowwise scales (the grouped kernel's operands and scales,
+    [N, P], [K, P], [E * N], [E * K]), each written into its slice of the result. The column
+    slices are passed as they are: groups are padded to 16 rows, so each starts aligned."""
+    experts, n, k = len(bounds), g_t.shape[0], x_t.shape[0]
+    out_dtype = out_dtype if emulates(g_t.device) else torch.bfloat16  # the kernel writes bf16 (rowwise)
+    out = torch.empty(experts, n, k, device=g_t.device, dtype=out_dtype)
+    scale_a, scale_b = g_t_inv.view(experts, n, 1), x_t_inv.view(experts, 1, k)
+    for e, (start, end) in enumerate(bounds):
+        a, b = g_t[:, start:end], x_t[:, start:end].t()
+        if emulates(g_t.device):
+            out[e].copy_(scaled_mm(a.contiguous(), b, scale_a[e], scale_b[e], out_dtype))
+        else:
+            torch._scaled_mm(a, b, scale_a=scale_a[e], scale_b=scale_b[e], out_dtype=out_dtype, out=out[e])
+    return out
 
 
 class _GroupedFP8Linear(torch.autograd.Function):
