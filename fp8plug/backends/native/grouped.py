@@ -4,7 +4,8 @@ What: out[rows of group e] = x[rows of group e] @ W_e^T, for token rows sorted b
 ends `offs` (int32, cumulative, one per expert: what transformers' grouped_mm experts forward
 builds), with all three GEMMs in FP8: forward and input gradient as one 2-D x 3-D grouped GEMM
 each, the weight gradient as one 2-D x 2-D GEMM grouped over the token dimension. No Python loop
-over experts on a GPU; the CPU emulation loops over groups (it is the reference, not the fast path).
+over experts on a GPU (unless DENSE_WEIGHT_GRADIENT_MAX_EXPERTS asks for the weight gradient as
+dense GEMMs per expert); the CPU emulation loops over groups (the reference, not the fast path).
 
 Why these choices (the kernel's constraints, read from torch's `_scaled_grouped_mm` checks and
 tests, torch 2.11-2.13, sm_90):
@@ -314,10 +315,12 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
     exists beside the float32 gradient. The same values as in one piece: a column's scale is its
     own group's amax, and every output element is one piece's sum over P."""
 
+    bounds = group_bounds(layout) if layout.experts <= DENSE_WEIGHT_GRADIENT_MAX_EXPERTS else None
+
     def product(columns: torch.Tensor) -> torch.Tensor:  # [S, n] -> [E, n, K] in out_dtype
         g_t, g_t_inv = cast_weight_grad_operand(columns, layout)
-        if layout.experts <= DENSE_WEIGHT_GRADIENT_MAX_EXPERTS:
-            return dense_weight_gradient(g_t, g_t_inv, x_t, x_t_inv, group_bounds(layout), out_dtype)
+        if bounds is not None:
+            return dense_weight_gradient(g_t, g_t_inv, x_t, x_t_inv, bounds, out_dtype)
         return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
 
     if out_dtype == weight.dtype:
