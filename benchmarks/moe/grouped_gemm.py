@@ -137,9 +137,9 @@ def measure(model: str, projection: str, device, skew: float, repeats: int, peak
     cases["fp8_gemm_fwd"] = lambda: grouped.scaled_grouped_mm(x8, w8.transpose(-2, -1), x_inv, w_inv, layout.offs,
                                                               torch.bfloat16, True)
     # each backward GEMM alone, bf16 (autograd asked for one gradient) and FP8 (operands cast beforehand)
-    cases.update(per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one=lambda fn, wrt: _one_grad(fn, x, w, offs, g, wrt)))
-    dense_cases, dense_facts = dense_wgrad_cases(x, g, layout)
-    cases.update(dense_cases)
+    gemm_cases, dense_facts = per_gemm_cases(x, w, g, offs, layout,
+                                             fwd_bwd_one=lambda fn, wrt: _one_grad(fn, x, w, offs, g, wrt))
+    cases.update(gemm_cases)
     out.update(dense_facts)
     for name, fn in cases.items():
         try:
@@ -172,10 +172,12 @@ def _one_grad(fn, x, w, offs, g, wrt: str):
     return run
 
 
-def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> dict:
+def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
     """The input-gradient (dgrad) and weight-gradient (wgrad) GEMMs on their own: bf16 and FP8 as
     forward + that one gradient (minus forward, in `measure`), and each FP8 GEMM on operands cast
-    beforehand (what the kernel alone costs), plus the casts each needs, timed alone."""
+    beforehand (what the kernel alone costs; the weight gradient also as dense GEMMs per expert),
+    plus the casts each needs, timed alone; and the dense weight gradient's facts
+    (`dense_wgrad_cases`)."""
     gp = grouped.pad_groups(g, layout)
     xp = grouped.pad_groups(x.detach(), layout)
     g8, g_inv = grouped.rowwise(gp)
@@ -184,6 +186,7 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> dict:
     x_t8, x_t_inv = grouped.groupwise_columns(xp, layout)
     mm = grouped.scaled_grouped_mm
     fp8 = grouped.grouped_fp8_linear
+    dense_cases, dense_facts = dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout)
     return {
         "bf16_fwd_dgrad": fwd_bwd_one(grouped_bf16, "x"), "bf16_fwd_wgrad": fwd_bwd_one(grouped_bf16, "w"),
         "fp8_fwd_dgrad": fwd_bwd_one(fp8, "x"), "fp8_fwd_wgrad": fwd_bwd_one(fp8, "w"),
@@ -194,15 +197,15 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> dict:
         "cast_tokens_grad": lambda: grouped.cast_tokens(g, layout),
         "cast_wgrad_grad": lambda: grouped.cast_weight_grad_operand(g, layout),
         "pad_grad": lambda: grouped.pad_groups(g, layout),
-    }
+        **dense_cases,
+    }, dense_facts
 
 
-def dense_wgrad_cases(x: torch.Tensor, g: torch.Tensor, layout):
-    """The per-expert dense weight gradient's timed cases (the groups' bounds known; read from the
-    GPU each call) and its largest difference from the grouped kernel's result, relative to that
-    result's largest magnitude (both accumulate in float32), or why it could not run."""
-    g_t8, g_t_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
-    x_t8, x_t_inv = grouped.groupwise_columns(grouped.pad_groups(x.detach(), layout), layout)
+def dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout):
+    """The per-expert dense weight gradient's timed cases on the grouped kernel's weight-gradient
+    operands (the groups' bounds known; read from the GPU each call) and its largest difference
+    from the grouped kernel's result, relative to that result's largest magnitude (both accumulate
+    in float32), or why it could not run."""
     bounds = grouped.group_bounds(layout)
 
     def dense(bounds):

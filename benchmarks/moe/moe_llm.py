@@ -152,13 +152,12 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         handlers = ([fp8plug.FP8RecipeKwargs(backend=engine, modules_to_ignore=ignore, **extra)]
                     if ignore or engine or extra else [])
         cls = fp8plug.Accelerator
-        if options.get("unfused_casts") or options.get("dense_wgrad"):
-            from fp8plug.backends.native import grouped
+        from fp8plug.backends.native import grouped
 
-            if options.get("unfused_casts"):
-                grouped._fused = lambda t: False
-            if options.get("dense_wgrad"):
-                grouped.DENSE_WEIGHT_GRADIENT_MAX_EXPERTS = spec["experts"]
+        if options.get("unfused_casts"):
+            grouped._fused = lambda t: False
+        if options.get("dense_wgrad"):
+            grouped.DENSE_WEIGHT_GRADIENT_MAX_EXPERTS = spec["experts"]
     else:
         cls = accelerate.Accelerator
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",

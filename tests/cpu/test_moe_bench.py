@@ -75,7 +75,9 @@ def test_the_dense_weight_gradient_per_expert_is_the_grouped_kernels():
     sizes = torch.tensor([37, 0, 90, 5])
     layout = grouped.group_layout(sizes.cumsum(0).to(torch.int32), int(sizes.sum()))
     x, g = torch.randn(int(sizes.sum()), 48), torch.randn(int(sizes.sum()), 32)
-    cases, facts = grouped_gemm.dense_wgrad_cases(x, g, layout)
+    g_t8, g_t_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
+    x_t8, x_t_inv = grouped.groupwise_columns(grouped.pad_groups(x, layout), layout)
+    cases, facts = grouped_gemm.dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout)
     assert facts["wgrad_dense_max_rel_diff"] == 0.0
     assert grouped.group_bounds(layout) == [(0, 48), (48, 64), (64, 160), (160, 176)]
     assert cases["fp8_gemm_wgrad_dense"]().shape == (4, 32, 48)
