@@ -13,8 +13,8 @@
 # odd (the cost of padding odd token counts to FP8's alignment, ao and te).
 # scalings (the benchmark Llama compiled, every scaling against bf16 and bf16 + attention change,
 # profiled: docs/performance.md's scaling rows, about 8 minutes), moe (the Mixtral shape against
-# bf16 experts with and without the attention change, compiled and eager, and the dense per-expert
-# weight gradient: docs/moe.md, about 9 minutes).
+# bf16 experts with and without the attention change, compiled and eager, and every expert GEMM in the
+# grouped kernel: docs/moe.md, about 9 minutes).
 # liger-tests (tests/gpu/test_liger.py), liger (the Llama table's bf16 + Liger against fp8plug +
 # Liger, under 9 minutes); with LIGER_WHEEL=path/to/liger_kernel-*.whl both install that wheel into
 # a private folder first.
@@ -71,7 +71,7 @@ for stage in "$@"; do
              --rows bf16-usercompiled,bf16-skipmask-usercompiled,fp8plug-usercompiled,fp8plug-rowwise-usercompiled,fp8plug-blockwise-usercompiled \
              --json "$OUT/llama_scalings.json" 2>"$OUT/llama_scalings.log" | grep '^|' ;;
     moe) python3 benchmarks/moe/moe_llm.py --model mixtral --steps 30 --profile 2 --timeout 100 --deadline 520 \
-           --rows fp8plug-bf16weights-usercompiled,fp8plug-bf16weights-densewgrad-usercompiled,bf16-bf16weights-skipmask-usercompiled,bf16-bf16weights-usercompiled,fp8plug-bf16weights-eager,bf16-bf16weights-eager \
+           --rows fp8plug-bf16weights-usercompiled,fp8plug-bf16weights-grouped-usercompiled,bf16-bf16weights-skipmask-usercompiled,bf16-bf16weights-usercompiled,fp8plug-bf16weights-eager,bf16-bf16weights-eager \
            --json "$OUT/moe.json" 2>"$OUT/moe.log" | grep '^|' ;;
     odd) python3 benchmarks/linear/odd_tokens.py --json "$OUT/odd_tokens.json" 2>&1 | grep '^|\|^#' ;;
     *) echo "unknown stage $stage" ;;

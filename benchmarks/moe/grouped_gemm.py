@@ -12,11 +12,11 @@ get several times the mean load, as trained routers do), times:
   fp8-gemm  the FP8 forward GEMM alone on operands cast beforehand (what the kernel costs)
   fp8 unfused  forward + backward with the casts as separate torch ops (what eager training ran
             before grouped_cast.py fused them; the same bytes)
-  fp8 dense wgrad  the weight gradient as one dense FP8 GEMM per expert instead of the grouped
-            kernel (grouped.dense_weight_gradient: torch._scaled_mm on the expert's columns of the
-            same operands, written into its slice of the result), with the groups' bounds known on
-            the host, and again reading them from the GPU every call (the sync a training step
-            pays); its largest difference from the grouped kernel's result is reported
+  fp8 dense  each of the three GEMMs as one dense FP8 GEMM per expert instead of the grouped
+            kernel (dense_experts.dense_grouped_mm: torch._scaled_mm on the expert's rows or columns of
+            the same operands, written into its slice of the result), with the groups' bounds
+            known on the host, and again reading them from the GPU every call (the sync a training
+            step pays); each one's largest difference from the grouped kernel's result is reported
 
 and reports milliseconds, TFLOP/s of the useful work (2 * rows * K * N a GEMM, three GEMMs for
 forward + backward; padding rows not counted as work) and that as a share of the GPU's dense peak
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fp8plug.backends.native import grouped  # noqa: E402
+from fp8plug.backends.native import dense_experts, grouped  # noqa: E402
 
 # model -> (tokens, experts, top_k, hidden, expert ffn): B4 x T2048 of moe_llm.py's models
 SHAPES = {
@@ -175,9 +175,8 @@ def _one_grad(fn, x, w, offs, g, wrt: str):
 def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
     """The input-gradient (dgrad) and weight-gradient (wgrad) GEMMs on their own: bf16 and FP8 as
     forward + that one gradient (minus forward, in `measure`), and each FP8 GEMM on operands cast
-    beforehand (what the kernel alone costs; the weight gradient also as dense GEMMs per expert),
-    plus the casts each needs, timed alone; and the dense weight gradient's facts
-    (`dense_wgrad_cases`)."""
+    beforehand (what the kernel alone costs; each also as dense GEMMs per expert), plus the casts
+    each needs, timed alone; and the dense GEMMs' facts (`dense_cases`)."""
     gp = grouped.pad_groups(g, layout)
     xp = grouped.pad_groups(x.detach(), layout)
     g8, g_inv = grouped.rowwise(gp)
@@ -186,7 +185,11 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
     x_t8, x_t_inv = grouped.groupwise_columns(xp, layout)
     mm = grouped.scaled_grouped_mm
     fp8 = grouped.grouped_fp8_linear
-    dense_cases, dense_facts = dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout)
+    x8, x_inv = grouped.rowwise(xp)
+    w8, w_inv = grouped.rowwise(w.detach())
+    timed_dense, dense_facts = dense_cases({"fwd": (x8, w8.transpose(-2, -1), x_inv, w_inv),
+                                            "dgrad": (g8, w_kn8.transpose(-2, -1), g_inv, w_kn_inv),
+                                            "wgrad": (g_t8, x_t8.t(), g_t_inv, x_t_inv)}, layout)
     return {
         "bf16_fwd_dgrad": fwd_bwd_one(grouped_bf16, "x"), "bf16_fwd_wgrad": fwd_bwd_one(grouped_bf16, "w"),
         "fp8_fwd_dgrad": fwd_bwd_one(fp8, "x"), "fp8_fwd_wgrad": fwd_bwd_one(fp8, "w"),
@@ -197,28 +200,32 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
         "cast_tokens_grad": lambda: grouped.cast_tokens(g, layout),
         "cast_wgrad_grad": lambda: grouped.cast_weight_grad_operand(g, layout),
         "pad_grad": lambda: grouped.pad_groups(g, layout),
-        **dense_cases,
+        **timed_dense,
     }, dense_facts
 
 
-def dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout):
-    """The per-expert dense weight gradient's timed cases on the grouped kernel's weight-gradient
-    operands (the groups' bounds known; read from the GPU each call) and its largest difference
-    from the grouped kernel's result, relative to that result's largest magnitude (both accumulate
-    in float32), or why it could not run."""
-    bounds = grouped.group_bounds(layout)
+def dense_cases(operands: dict, layout):
+    """The three GEMMs as dense GEMMs per expert (dense_experts.dense_grouped_mm) on the grouped kernel's
+    operands, `operands` {gemm: (a, b, inv_a, inv_b)}: timed with the groups' bounds known and
+    read from the GPU each call (`_dense_sync`), and each one's largest difference from the
+    grouped kernel's result relative to that result's largest magnitude (both accumulate in
+    float32), or why it could not run."""
+    bounds = dense_experts.group_bounds(layout)
+    cases, facts = {}, {}
+    for gemm, (a, b, inv_a, inv_b) in operands.items():
+        def dense(bounds, a=a, b=b, inv_a=inv_a, inv_b=inv_b):
+            return dense_experts.dense_grouped_mm(a, b, inv_a, inv_b, bounds)
 
-    def dense(bounds):
-        return grouped.dense_weight_gradient(g_t8, g_t_inv, x_t8, x_t_inv, bounds)
-
-    try:
-        ref = grouped.scaled_grouped_mm(g_t8, x_t8.t(), g_t_inv, x_t_inv, layout.offs, torch.bfloat16, False).float()
-        diff = float((dense(bounds).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-        facts = dict(wgrad_dense_max_rel_diff=diff)
-    except RuntimeError as exc:  # this torch's _scaled_mm refused the column slices: the cases say so too
-        facts = dict(wgrad_dense_error=str(exc).splitlines()[0][:200])
-    cases = {"fp8_gemm_wgrad_dense": lambda: dense(bounds),
-             "fp8_gemm_wgrad_dense_sync": lambda: dense(grouped.group_bounds(layout))}
+        try:
+            ref = grouped.scaled_grouped_mm(a, b, inv_a, inv_b, layout.offs, torch.bfloat16, False).float()
+            got = dense(bounds).float()
+            if b.dim() == 3:  # rows past the last group are left unwritten
+                ref, got = ref[:bounds[-1][1]], got[:bounds[-1][1]]
+            facts[f"{gemm}_dense_max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+        except RuntimeError as exc:  # this torch's _scaled_mm refused the slices: the cases say so too
+            facts[f"{gemm}_dense_error"] = str(exc).splitlines()[0][:200]
+        cases[f"fp8_gemm_{gemm}_dense"] = lambda dense=dense: dense(bounds)
+        cases[f"fp8_gemm_{gemm}_dense_sync"] = lambda dense=dense: dense(dense_experts.group_bounds(layout))
     return cases, facts
 
 
@@ -261,7 +268,7 @@ def table(results: list, peaks) -> str:
     lines += ["", "Each GEMM alone, ms (bf16: forward + that gradient minus forward; FP8 with its casts, and the "
               "kernel alone on operands cast beforehand), and the backward's casts alone:", "",
               "| model | projection | bf16 fwd / dgrad / wgrad | FP8 fwd / dgrad / wgrad (with casts) | "
-              "FP8 kernel fwd / dgrad / wgrad | FP8 wgrad as dense GEMMs per expert: bounds known / read "
+              "FP8 kernel fwd / dgrad / wgrad | FP8 dense GEMMs per expert fwd / dgrad / wgrad, bounds read "
               "(max rel. diff) | casts: weight fwd, weight dgrad, grad rows, grad wgrad, pad grad |",
               "|---|---|---|---|---|---|---|"]
 
@@ -273,12 +280,13 @@ def table(results: list, peaks) -> str:
         casts = [r.get(c, {}).get("ms") for c in ("cast_weight_fwd", "cast_weight_dgrad", "cast_tokens_grad",
                                                   "cast_wgrad_grad", "pad_grad")]
         gemms = ("fwd", "dgrad", "wgrad")
-        dense = trio([r.get(c, {}).get("ms") for c in ("fp8_gemm_wgrad_dense", "fp8_gemm_wgrad_dense_sync")])
-        diff = r.get("wgrad_dense_max_rel_diff")
+        dense = trio([r.get(f"fp8_gemm_{g}_dense_sync", {}).get("ms") for g in gemms])
+        diffs = [r.get(f"{g}_dense_max_rel_diff") for g in gemms]
+        diff = "-" if None in diffs else f"{max(diffs):.1e}"
         lines.append(f"| {r['model']} | {r['projection']} | {trio([p.get(f'bf16_{g}') for g in gemms])} | "
                      f"{trio([p.get(f'fp8_{g}') for g in gemms])} | "
                      f"{trio([p.get(f'fp8_gemm_{g}') for g in gemms])} | "
-                     f"{dense} ({'-' if diff is None else f'{diff:.1e}'}) | {trio(casts)} |")
+                     f"{dense} ({diff}) | {trio(casts)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,8 +19,8 @@ inductor and triton caches):
   fp8plug              fp8plug.Accelerator(mixed_precision="fp8")  (default recipe: grouped FP8 GEMM experts)
   fp8plug-bf16weights  the same on the model cast to bfloat16 first (against bf16-bf16weights: the FP8 casts read
                        bf16 weights, as a user training in pure bf16 has them)
-  fp8plug-bf16weights-densewgrad  the same with the experts' weight gradient as one dense FP8 GEMM per expert
-                       (grouped.DENSE_WEIGHT_GRADIENT_MAX_EXPERTS, off by default) instead of the grouped kernel
+  fp8plug-bf16weights-grouped  the same with every expert GEMM in torch._scaled_grouped_mm, also where the
+                       default runs them as dense GEMMs per expert (dense_experts.DENSE_GEMMS_MAX_EXPERTS: Mixtral's 8)
   fp8plug-noexperts    the same with every experts module in modules_to_ignore (splits the gain: Linears vs experts)
   fp8plug-nofilter     the same with auto_filter=False: every aligned Linear and experts module in FP8, whatever
                        the speed filter predicts (checks its verdict: Qwen3-MoE's experts are predicted 0.70x)
@@ -84,7 +84,7 @@ BASES = {
     "accelerate-ao": ("accelerate", "fp8", {}),
     "fp8plug": ("fp8plug", "fp8", {}),
     "fp8plug-bf16weights": ("fp8plug", "fp8", dict(bf16_weights=True)),
-    "fp8plug-bf16weights-densewgrad": ("fp8plug", "fp8", dict(bf16_weights=True, dense_wgrad=True)),
+    "fp8plug-bf16weights-grouped": ("fp8plug", "fp8", dict(bf16_weights=True, grouped_gemms=True)),
     "fp8plug-noexperts": ("fp8plug", "fp8", dict(ignore_experts=True)),
     "fp8plug-nofilter": ("fp8plug", "fp8", dict(auto_filter=False)),
     "fp8plug-nofilter-unfusedcasts": ("fp8plug", "fp8", dict(auto_filter=False, unfused_casts=True)),
@@ -152,12 +152,12 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
         handlers = ([fp8plug.FP8RecipeKwargs(backend=engine, modules_to_ignore=ignore, **extra)]
                     if ignore or engine or extra else [])
         cls = fp8plug.Accelerator
-        from fp8plug.backends.native import grouped
+        from fp8plug.backends.native import dense_experts, grouped
 
         if options.get("unfused_casts"):
             grouped._fused = lambda t: False
-        if options.get("dense_wgrad"):
-            grouped.DENSE_WEIGHT_GRADIENT_MAX_EXPERTS = spec["experts"]
+        if options.get("grouped_gemms"):
+            dense_experts.DENSE_GEMMS_MAX_EXPERTS = 0
     else:
         cls = accelerate.Accelerator
     accelerator = cls(mixed_precision=precision, kwargs_handlers=handlers, cpu=device.type == "cpu",

@@ -11,7 +11,7 @@ import torch
 import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
-from fp8plug.backends.native import grouped
+from fp8plug.backends.native import dense_experts, grouped
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, settle_all
 from tests.support.hf import fresh
@@ -126,10 +126,10 @@ def test_a_converted_weight_gradient_made_in_pieces_equals_the_whole_one(monkeyp
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_the_weight_gradient_as_dense_gemms_per_expert_equals_the_grouped_one(monkeypatch, weight_dtype):
-    """With DENSE_WEIGHT_GRADIENT_MAX_EXPERTS at or above the experts, the weight gradient is one
-    dense FP8 GEMM per expert (groups' bounds read from the layout), whole or in pieces (float32
-    weights): the same values as the grouped kernel's, emulated here."""
+def test_the_gemms_as_dense_gemms_per_expert_equal_the_grouped_ones(monkeypatch, weight_dtype):
+    """With DENSE_GEMMS_MAX_EXPERTS at or above the experts, each GEMM is one dense FP8 GEMM per
+    expert (groups' bounds read from the layout), the weight gradient whole or in pieces (float32
+    weights): the same output and gradients as the grouped kernel's, emulated here."""
     torch.manual_seed(1)
     k, n = 32, 48
     x = torch.randn(sum(GROUP_SIZES), k).to(torch.bfloat16)
@@ -137,14 +137,16 @@ def test_the_weight_gradient_as_dense_gemms_per_expert_equals_the_grouped_one(mo
     grad = torch.randn(sum(GROUP_SIZES), n).to(torch.bfloat16)
     monkeypatch.setattr(grouped, "WEIGHT_GRADIENT_PIECE_BYTES", len(GROUP_SIZES) * k * 2 * 16)  # 16 rows a piece
 
-    def weight_gradient(max_experts):
-        monkeypatch.setattr(grouped, "DENSE_WEIGHT_GRADIENT_MAX_EXPERTS", max_experts)
-        out = grouped.grouped_fp8_linear(x, w, _offsets(GROUP_SIZES))
-        return torch.autograd.grad(out, w, grad)[0]
+    def output_and_gradients(max_experts):
+        monkeypatch.setattr(dense_experts, "DENSE_GEMMS_MAX_EXPERTS", max_experts)
+        xs = x.clone().requires_grad_()
+        out = grouped.grouped_fp8_linear(xs, w, _offsets(GROUP_SIZES))
+        return (out, *torch.autograd.grad(out, (xs, w), grad))
 
-    dense, grouped_result = weight_gradient(len(GROUP_SIZES)), weight_gradient(0)
-    assert dense.dtype == weight_dtype and torch.equal(dense, grouped_result)
-    assert dense.abs().sum() > 0
+    dense, grouped_result = output_and_gradients(len(GROUP_SIZES)), output_and_gradients(0)
+    assert dense[2].dtype == weight_dtype
+    for a, b in zip(dense, grouped_result):
+        assert torch.equal(a, b) and a.abs().sum() > 0
 
 
 def test_a_non_finite_input_row_stays_visible():

@@ -63,21 +63,31 @@ def test_unfused_run_restores_the_fused_casts():
     assert seen == [False] and grouped._fused is fused
 
 
-def test_the_dense_weight_gradient_per_expert_is_the_grouped_kernels():
-    """grouped_gemm.py's per-expert dense weight gradient (one scaled GEMM per expert's columns)
-    against the grouped kernel's, both emulated here: the same values, groups of any size
-    (an empty one included: 16 zero rows), the bounds read from the layout."""
+def test_the_dense_gemms_per_expert_are_the_grouped_kernels():
+    """grouped_gemm.py's per-expert dense GEMMs (one scaled GEMM per expert's rows or columns)
+    against the grouped kernel's, both emulated here, for the forward, input-gradient and
+    weight-gradient operands: the same values, groups of any size (an empty one included: 16
+    zero rows), the bounds read from the layout."""
     import torch
 
-    from fp8plug.backends.native import grouped
+    from fp8plug.backends.native import dense_experts, grouped
 
     torch.manual_seed(0)
     sizes = torch.tensor([37, 0, 90, 5])
     layout = grouped.group_layout(sizes.cumsum(0).to(torch.int32), int(sizes.sum()))
     x, g = torch.randn(int(sizes.sum()), 48), torch.randn(int(sizes.sum()), 32)
+    w = torch.randn(4, 32, 48)
+    x8, x_inv = grouped.rowwise(grouped.pad_groups(x, layout))
+    g8, g_inv = grouped.rowwise(grouped.pad_groups(g, layout))
+    w8, w_inv = grouped.rowwise(w)
+    w_kn8, w_kn_inv = grouped.rowwise(w.transpose(-2, -1))
     g_t8, g_t_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
     x_t8, x_t_inv = grouped.groupwise_columns(grouped.pad_groups(x, layout), layout)
-    cases, facts = grouped_gemm.dense_wgrad_cases(g_t8, g_t_inv, x_t8, x_t_inv, layout)
-    assert facts["wgrad_dense_max_rel_diff"] == 0.0
-    assert grouped.group_bounds(layout) == [(0, 48), (48, 64), (64, 160), (160, 176)]
+    cases, facts = grouped_gemm.dense_cases({"fwd": (x8, w8.transpose(-2, -1), x_inv, w_inv),
+                                             "dgrad": (g8, w_kn8.transpose(-2, -1), g_inv, w_kn_inv),
+                                             "wgrad": (g_t8, x_t8.t(), g_t_inv, x_t_inv)}, layout)
+    assert facts == {"fwd_dense_max_rel_diff": 0.0, "dgrad_dense_max_rel_diff": 0.0, "wgrad_dense_max_rel_diff": 0.0}
+    assert dense_experts.group_bounds(layout) == [(0, 48), (48, 64), (64, 160), (160, 176)]
+    assert cases["fp8_gemm_fwd_dense"]().shape == (layout.padded_rows, 32)
+    assert cases["fp8_gemm_dgrad_dense_sync"]().shape == (layout.padded_rows, 48)
     assert cases["fp8_gemm_wgrad_dense"]().shape == (4, 32, 48)

@@ -9,7 +9,7 @@ import torch
 
 import fp8plug
 from fp8plug import FP8RecipeKwargs
-from fp8plug.backends.native import grouped
+from fp8plug.backends.native import dense_experts, grouped
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from tests.support.hf import fresh
 from tests.support.moe_models import builder
@@ -31,8 +31,12 @@ def _per_expert(x, w, fn):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_three_grouped_gemms_match_the_emulation_and_float64(transposed):
+def test_three_grouped_gemms_match_the_emulation_and_float64(monkeypatch, transposed, dense):
+    """All three GEMMs grouped (torch._scaled_grouped_mm) or dense per expert (torch._scaled_mm on
+    each group, dense_experts.DENSE_GEMMS_MAX_EXPERTS), on groups of any size, an empty one included."""
+    monkeypatch.setattr(dense_experts, "DENSE_GEMMS_MAX_EXPERTS", len(SIZES) if dense else 0)
     torch.manual_seed(0)
     k, n = 256, 512
     offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)

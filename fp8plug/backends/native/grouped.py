@@ -3,9 +3,10 @@
 What: out[rows of group e] = x[rows of group e] @ W_e^T, for token rows sorted by expert and group
 ends `offs` (int32, cumulative, one per expert: what transformers' grouped_mm experts forward
 builds), with all three GEMMs in FP8: forward and input gradient as one 2-D x 3-D grouped GEMM
-each, the weight gradient as one 2-D x 2-D GEMM grouped over the token dimension. No Python loop
-over experts on a GPU (unless DENSE_WEIGHT_GRADIENT_MAX_EXPERTS asks for the weight gradient as
-dense GEMMs per expert); the CPU emulation loops over groups (the reference, not the fast path).
+each, the weight gradient as one 2-D x 2-D GEMM grouped over the token dimension. Models with few
+experts run each of them as one dense FP8 GEMM per expert instead, faster there
+(backends/native/dense_experts.py). The CPU emulation loops over groups (the reference, not the
+fast path).
 
 Why these choices (the kernel's constraints, read from torch's `_scaled_grouped_mm` checks and
 tests, torch 2.11-2.13, sm_90):
@@ -18,8 +19,9 @@ tests, torch 2.11-2.13, sm_90):
 - token groups start at multiples of 16 rows (an empty group gets 16 zero rows): the weight
   gradient's grouped dimension is the token dimension, read by TMA in 16-byte steps. So each
   group is padded with zero rows to a multiple of 16 (`GroupLayout`), in a buffer of a size
-  known without reading the offsets (ceil16(S) + 16 * E rows), so nothing syncs with the host
-  and torch.compile sees static shapes.
+  known without reading the offsets (ceil16(S) + 16 * E rows), so torch.compile sees static
+  shapes and the grouped kernel never syncs with the host (the dense GEMMs read the groups'
+  bounds: `DenseBounds`).
   Zero rows add nothing to any product; what they cost is counted by the benchmark.
 - dynamic rowwise scaling: each row's (or per-group column's) own amax, every call. A per-tensor
   delayed scale shared by all experts would waste range on the experts with small activations,
@@ -34,8 +36,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float, scaled_mm
+from fp8plug.backends.gemm import emulates, float32_gemm, fp8_to_float
 from fp8plug.backends.native import compiled_ops, grouped_cast, transposed_cast
+from fp8plug.backends.native.dense_experts import DenseBounds, dense_grouped_mm
 from fp8plug.backends.native.grouped_cast import (  # the casts' constants, written once there
     AMAX_FLOOR,  # an all-zero row (padding) gets a finite scale
     E4M3,
@@ -262,11 +265,12 @@ def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
 def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
              result_dtype: torch.dtype) -> torch.Tensor:
     layout = group_layout(offs, x.shape[0])
+    dense = DenseBounds(layout)
     w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
     x_fp8, x_inv = cast_tokens(x, layout)
     w_fp8, w_inv = cast_weight_forward(w_nk)
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
-    out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout.offs, out_dtype, True)
+    out = expert_gemm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout, dense(), out_dtype, True)
     return unpad_groups(out, layout).to(result_dtype)
 
 
@@ -279,6 +283,7 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
     freed as soon as its GEMM has run, and the weight gradient is made last and, where it is
     converted, in pieces (`_weight_gradient`)."""
     layout = group_layout(offs, x.shape[0])
+    dense = DenseBounds(layout)
     grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     grad_x = grad_w = None
@@ -286,12 +291,13 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
         g_fp8, g_inv = cast_tokens(grad_out, layout)
         w_nk = weight.transpose(-2, -1) if transposed else weight
         w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk)  # [E, K, N], a scale per (expert, k)
-        grad_x = scaled_grouped_mm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, out_dtype, False)
+        grad_x = expert_gemm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout, dense(), out_dtype, False)
         del g_fp8, w_kn_fp8  # 0.5 and 0.9 GB a Mixtral gate_up
         grad_x = unpad_groups(grad_x, layout).to(x.dtype)
     if need_w:
         x_t, x_t_inv = cast_weight_grad_operand(x, layout)  # [K, P]
-        grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, weight, transposed, out_dtype)
+        grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, dense(), weight, transposed,
+                                  out_dtype)
     return grad_x, grad_w
 
 
@@ -306,7 +312,8 @@ WEIGHT_GRADIENT_PIECE_BYTES = 64 * 2**20
 
 
 def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor, layout: GroupLayout,
-                     weight: torch.Tensor, transposed: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                     bounds: Optional[list], weight: torch.Tensor, transposed: bool,
+                     out_dtype: torch.dtype) -> torch.Tensor:
     """The weight gradient [E, N, K] (or [E, K, N] with `transposed`) in the weight's dtype, from the
     output gradient [S, N] and the input's FP8 operand x_t [K, P]. Where the kernel's bf16 output
     must be converted, it is made in pieces of output rows (columns of grad_out), each piece's FP8
@@ -315,13 +322,9 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
     exists beside the float32 gradient. The same values as in one piece: a column's scale is its
     own group's amax, and every output element is one piece's sum over P."""
 
-    bounds = group_bounds(layout) if layout.experts <= DENSE_WEIGHT_GRADIENT_MAX_EXPERTS else None
-
     def product(columns: torch.Tensor) -> torch.Tensor:  # [S, n] -> [E, n, K] in out_dtype
         g_t, g_t_inv = cast_weight_grad_operand(columns, layout)
-        if bounds is not None:
-            return dense_weight_gradient(g_t, g_t_inv, x_t, x_t_inv, bounds, out_dtype)
-        return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
+        return expert_gemm(g_t, x_t.t(), g_t_inv, x_t_inv, layout, bounds, out_dtype, False)
 
     if out_dtype == weight.dtype:
         grad = product(grad_out)
@@ -335,39 +338,13 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
     return grad
 
 
-# Experts up to this many make their weight gradient as one dense FP8 GEMM each
-# (`dense_weight_gradient`) rather than in torch._scaled_grouped_mm; 0: never. The dense GEMMs on
-# the same operands were faster at Mixtral's shapes (8 experts, about 2048 tokens each; one H200,
-# grouped_gemm.py): 4.25 against 5.29 ms for gate_up and 2.11 against 2.49 for down, reading the
-# groups' bounds from the GPU (a sync) included. Off until a training step measures it: the sync
-# stops the host running ahead of the GPU (benchmarks/moe/moe_llm.py's `-densewgrad` rows).
-DENSE_WEIGHT_GRADIENT_MAX_EXPERTS = 0
-
-
-def group_bounds(layout: GroupLayout) -> list:
-    """Each padded group's (start, end) row on the host: the layout's ends, read from the device
-    (a sync where that is a GPU)."""
-    ends = layout.offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
-
-
-def dense_weight_gradient(g_t: torch.Tensor, g_t_inv: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor,
-                          bounds: list, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weight gradient [E, N, K] as one dense FP8 GEMM per expert: g_t[:, group] @
-    x_t[:, group].T with the group's rowwise scales (the grouped kernel's operands and scales,
-    [N, P], [K, P], [E * N], [E * K]), each written into its slice of the result. The column
-    slices are passed as they are: groups are padded to 16 rows, so each starts aligned."""
-    experts, n, k = len(bounds), g_t.shape[0], x_t.shape[0]
-    out_dtype = out_dtype if emulates(g_t.device) else torch.bfloat16  # the kernel writes bf16 (rowwise)
-    out = torch.empty(experts, n, k, device=g_t.device, dtype=out_dtype)
-    scale_a, scale_b = g_t_inv.view(experts, n, 1), x_t_inv.view(experts, 1, k)
-    for e, (start, end) in enumerate(bounds):
-        a, b = g_t[:, start:end], x_t[:, start:end].t()
-        if emulates(g_t.device):
-            out[e].copy_(scaled_mm(a.contiguous(), b, scale_a[e], scale_b[e], out_dtype))
-        else:
-            torch._scaled_mm(a, b, scale_a=scale_a[e], scale_b=scale_b[e], out_dtype=out_dtype, out=out[e])
-    return out
+def expert_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, layout: GroupLayout,
+                bounds: Optional[list], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """One of the three GEMMs (`scaled_grouped_mm`'s operands): dense per expert where `bounds`
+    are given, else grouped."""
+    if bounds is not None:
+        return dense_grouped_mm(a, b, inv_a, inv_b, bounds, out_dtype, fast_accum)
+    return scaled_grouped_mm(a, b, inv_a, inv_b, layout.offs, out_dtype, fast_accum)
 
 
 class _GroupedFP8Linear(torch.autograd.Function):
