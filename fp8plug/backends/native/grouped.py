@@ -265,13 +265,13 @@ def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
 def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
              result_dtype: torch.dtype) -> torch.Tensor:
     layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout)
+    dense = DenseBounds(layout, offs)
     w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
     x_fp8, x_inv = cast_tokens(x, layout)
     w_fp8, w_inv = cast_weight_forward(w_nk)
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
-    out = expert_gemm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout, dense(), out_dtype, True)
-    return unpad_groups(out, layout).to(result_dtype)
+    out = _tokens_gemm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout, dense, out_dtype, True)
+    return out.to(result_dtype)
 
 
 def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
@@ -283,7 +283,7 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
     freed as soon as its GEMM has run, and the weight gradient is made last and, where it is
     converted, in pieces (`_weight_gradient`)."""
     layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout)
+    dense = DenseBounds(layout, offs)
     grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     grad_x = grad_w = None
@@ -291,9 +291,9 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
         g_fp8, g_inv = cast_tokens(grad_out, layout)
         w_nk = weight.transpose(-2, -1) if transposed else weight
         w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk)  # [E, K, N], a scale per (expert, k)
-        grad_x = expert_gemm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout, dense(), out_dtype, False)
+        grad_x = _tokens_gemm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout, dense, out_dtype, False)
         del g_fp8, w_kn_fp8  # 0.5 and 0.9 GB a Mixtral gate_up
-        grad_x = unpad_groups(grad_x, layout).to(x.dtype)
+        grad_x = grad_x.to(x.dtype)
     if need_w:
         x_t, x_t_inv = cast_weight_grad_operand(x, layout)  # [K, P]
         grad_w = _weight_gradient(grad_out, x_t, x_t_inv, layout, dense(), weight, transposed,
@@ -324,7 +324,9 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
 
     def product(columns: torch.Tensor) -> torch.Tensor:  # [S, n] -> [E, n, K] in out_dtype
         g_t, g_t_inv = cast_weight_grad_operand(columns, layout)
-        return expert_gemm(g_t, x_t.t(), g_t_inv, x_t_inv, layout, bounds, out_dtype, False)
+        if bounds is not None:
+            return dense_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, bounds, out_dtype)
+        return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
 
     if out_dtype == weight.dtype:
         grad = product(grad_out)
@@ -338,13 +340,16 @@ def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.T
     return grad
 
 
-def expert_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, layout: GroupLayout,
-                bounds: Optional[list], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """One of the three GEMMs (`scaled_grouped_mm`'s operands): dense per expert where `bounds`
-    are given, else grouped."""
+def _tokens_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, layout: GroupLayout,
+                 dense: DenseBounds, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """The forward's or the input gradient's GEMM, padded token rows a [P, K] times the experts'
+    b [E, K, N], back in the tokens' order [S, N]: dense per expert, written straight at the
+    tokens' rows, where `dense` says so; else grouped, then gathered from the padded layout."""
+    bounds = dense()
     if bounds is not None:
-        return dense_grouped_mm(a, b, inv_a, inv_b, bounds, out_dtype, fast_accum)
-    return scaled_grouped_mm(a, b, inv_a, inv_b, layout.offs, out_dtype, fast_accum)
+        return dense_grouped_mm(a, b, inv_a, inv_b, bounds, out_dtype, fast_accum, dense.token_starts(),
+                                layout.rows.shape[0])
+    return unpad_groups(scaled_grouped_mm(a, b, inv_a, inv_b, layout.offs, out_dtype, fast_accum), layout)
 
 
 class _GroupedFP8Linear(torch.autograd.Function):
