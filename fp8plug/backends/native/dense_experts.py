@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 # torch._scaled_grouped_mm; 0: never. cuBLAS's dense FP8 GEMMs beat the grouped CUTLASS kernel
 # where each expert gets thousands of rows. Measured at Mixtral's shapes (8 experts, about 2048
 # tokens each; one H200): alone, forward / input gradient / weight gradient 3.36 / 3.75 / 4.31
-# against 3.53 / 3.93 / 5.24 ms for gate_up (grouped_gemm.py), and the compiled training step 94.2k
-# against 91.0k tok/s (moe_llm.py, `-grouped` row). Many small experts (Qwen3-MoE's 128) stay grouped:
-# a launch per expert and GEMM, each too small to fill the GPU.
+# against 3.53 / 3.93 / 5.24 ms for gate_up (grouped_gemm.py); the compiled training step 94.2k
+# against 91.0k tok/s with both results gathered back from the padded layout (moe_llm.py's `-grouped`
+# row), 97.1k written at the tokens' rows. Many small experts (Qwen3-MoE's 128) stay grouped: a
+# launch per expert and GEMM, each too small to fill the GPU.
 DENSE_GEMMS_MAX_EXPERTS = 8
 
 
