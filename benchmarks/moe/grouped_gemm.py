@@ -210,7 +210,7 @@ def dense_cases(operands: dict, layout):
     read from the GPU each call (`_dense_sync`), and each one's largest difference from the
     grouped kernel's result relative to that result's largest magnitude (both accumulate in
     float32), or why it could not run."""
-    bounds = dense_experts.group_bounds(layout)
+    bounds = dense_experts.group_bounds(layout.offs)
     cases, facts = {}, {}
     for gemm, (a, b, inv_a, inv_b) in operands.items():
         def dense(bounds, a=a, b=b, inv_a=inv_a, inv_b=inv_b):
@@ -225,7 +225,7 @@ def dense_cases(operands: dict, layout):
         except RuntimeError as exc:  # this torch's _scaled_mm refused the slices: the cases say so too
             facts[f"{gemm}_dense_error"] = str(exc).splitlines()[0][:200]
         cases[f"fp8_gemm_{gemm}_dense"] = lambda dense=dense: dense(bounds)
-        cases[f"fp8_gemm_{gemm}_dense_sync"] = lambda dense=dense: dense(dense_experts.group_bounds(layout))
+        cases[f"fp8_gemm_{gemm}_dense_sync"] = lambda dense=dense: dense(dense_experts.group_bounds(layout.offs))
     return cases, facts
 
 

@@ -16,14 +16,11 @@ the padded layout back to the tokens' order (1.8 ms a Mixtral step) is not neede
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from fp8plug.backends.gemm import emulates, scaled_mm
-
-if TYPE_CHECKING:
-    from fp8plug.backends.native.grouped import GroupLayout
 
 # Experts up to this many run each of the three GEMMs as one dense FP8 GEMM per expert
 # (`dense_grouped_mm`: torch._scaled_mm on the expert's rows or columns) rather than as one
@@ -47,12 +44,14 @@ class DenseBounds:
     one H200: 13.3 against 3.2 ms a step idle, which cost more than the dense GEMMs saved). Never
     while a CUDA graph is captured (no host read can happen there): the GEMMs then run grouped."""
 
-    def __init__(self, layout: GroupLayout, offs: torch.Tensor):
-        self.layout, self.bounds, self.starts, self.host, self.copied = layout, None, None, None, None
-        self.dense = layout.experts <= DENSE_GEMMS_MAX_EXPERTS and not _capturing(layout.offs)
-        if self.dense:  # the padded groups' ends and the tokens' own
-            self.ends = torch.stack([layout.offs, offs.to(layout.offs.dtype)])
-        if self.dense and layout.offs.is_cuda:
+    def __init__(self, padded_ends: torch.Tensor, token_ends: torch.Tensor):
+        """`padded_ends`: the padded layout's group ends (grouped.GroupLayout.offs); `token_ends`:
+        the tokens' own (the experts forward's offsets), both [E] on the device."""
+        self.bounds, self.starts, self.host, self.copied = None, None, None, None
+        self.dense = padded_ends.shape[0] <= DENSE_GEMMS_MAX_EXPERTS and not _capturing(padded_ends)
+        if self.dense:
+            self.ends = torch.stack([padded_ends, token_ends.to(padded_ends.dtype)])
+        if self.dense and padded_ends.is_cuda:
             self.host = torch.empty(self.ends.shape, dtype=self.ends.dtype, pin_memory=True)
             self.host.copy_(self.ends, non_blocking=True)
             self.copied = torch.cuda.Event()
@@ -77,10 +76,10 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def group_bounds(layout: GroupLayout) -> list:
-    """Each padded group's (start, end) row on the host: the layout's ends, read from the device
-    (a sync where that is a GPU)."""
-    return _pairs(layout.offs.tolist())
+def group_bounds(padded_ends: torch.Tensor) -> list:
+    """Each padded group's (start, end) row on the host, from the layout's ends on the device (a
+    sync where that is a GPU)."""
+    return _pairs(padded_ends.tolist())
 
 
 def _pairs(ends: list) -> list:

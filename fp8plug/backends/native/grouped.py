@@ -265,7 +265,7 @@ def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
 def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
              result_dtype: torch.dtype) -> torch.Tensor:
     layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout, offs)
+    dense = DenseBounds(layout.offs, offs)
     w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
     x_fp8, x_inv = cast_tokens(x, layout)
     w_fp8, w_inv = cast_weight_forward(w_nk)
@@ -283,7 +283,7 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
     freed as soon as its GEMM has run, and the weight gradient is made last and, where it is
     converted, in pieces (`_weight_gradient`)."""
     layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout, offs)
+    dense = DenseBounds(layout.offs, offs)
     grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     grad_x = grad_w = None
