@@ -10,7 +10,7 @@ CPU most of a launch is imports), each phase with a fresh Accelerator:
   first step's gradients (after DDP's all-reduce) and the global mean loss of every step.
 - fsdp2: FullyShardedDataParallelPlugin(fsdp_version=2), one FSDP unit per decoder layer; writes
   how the experts' 3-D weights were sharded, each rank's local expert shards, the global losses,
-  how many grouped FP8 GEMMs ran (calls of fp8plug.backends.native.grouped.scaled_grouped_mm)
+  how many expert FP8 GEMMs ran (calls of grouped.py's scaled_grouped_mm or dense_grouped_mm)
   and, from rank 0, the full state dict Accelerate gathers after training.
 
 The test process runs `train` itself in one process as the reference (same model, same global
@@ -75,20 +75,28 @@ def accelerator_for(strategy: str, cpu: bool):
 
 
 class GemmCounter:
-    """Counts the grouped FP8 GEMMs that run (each expert projection: one forward, two backward)."""
+    """Counts the experts' FP8 GEMMs that run (each expert projection: one forward, two backward),
+    grouped or dense per expert (grouped.py calls one of the two for each GEMM)."""
+
+    NAMES = ("scaled_grouped_mm", "dense_grouped_mm")
 
     def __init__(self):
         from fp8plug.backends.native import grouped
 
-        self.calls, self._module, self._original = 0, grouped, grouped.scaled_grouped_mm
-        grouped.scaled_grouped_mm = self._counted
+        self.calls, self._module = 0, grouped
+        self._originals = {name: getattr(grouped, name) for name in self.NAMES}
+        for name, original in self._originals.items():
+            setattr(grouped, name, self._counted(original))
 
-    def _counted(self, *args, **kwargs):
-        self.calls += 1
-        return self._original(*args, **kwargs)
+    def _counted(self, original):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+        return counted
 
     def close(self):
-        self._module.scaled_grouped_mm = self._original
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)
 
 
 def train(accelerator, model, ids: torch.Tensor, steps: int, keep_grads: bool = False) -> dict:
