@@ -149,6 +149,27 @@ def test_the_gemms_as_dense_gemms_per_expert_equal_the_grouped_ones(monkeypatch,
         assert torch.equal(a, b) and a.abs().sum() > 0
 
 
+@pytest.mark.parametrize("experts, dense_calls", [(8, 3), (9, 0)])
+def test_few_experts_run_dense_gemms_and_many_the_grouped_kernel(monkeypatch, experts, dense_calls):
+    """Up to DENSE_GEMMS_MAX_EXPERTS (8) experts, each of the three GEMMs runs dense per expert;
+    with more (Qwen3-MoE's 128, GPT-OSS's 32), each runs as one grouped GEMM."""
+    calls = {"dense": 0, "grouped": 0}
+
+    def counted(kind, function):
+        def run(*args, **kwargs):
+            calls[kind] += 1
+            return function(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(grouped, "dense_grouped_mm", counted("dense", grouped.dense_grouped_mm))
+    monkeypatch.setattr(grouped, "scaled_grouped_mm", counted("grouped", grouped.scaled_grouped_mm))
+    sizes = [3] * experts
+    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    w = torch.randn(experts, 16, 32, requires_grad=True)
+    torch.autograd.grad(grouped.grouped_fp8_linear(x, w, _offsets(sizes)).sum(), (x, w))
+    assert calls == {"dense": dense_calls, "grouped": 3 - dense_calls}
+
+
 def test_a_non_finite_input_row_stays_visible():
     x = torch.randn(sum(GROUP_SIZES), 32)
     x[3, 0] = float("inf")
