@@ -122,13 +122,13 @@ def run_rows(args, meta: dict, command: Callable[[str, object, Path], list], sta
             rows.append(dict(row=row, error=why))
         else:
             print(f"[{i}/{len(names)}] {row} ({args.nproc} processes) ...", file=sys.stderr, flush=True)
-            start = time.time()
+            row_start = time.time()
             rows.append(spawn(row, args, min(args.timeout, left), command))
             if rows[-1].get("tokens_per_s"):
-                took.append(time.time() - start)
+                took.append(time.time() - row_start)
             r = rows[-1]
             print(f"    {r.get('error') or 'ok'}: tok/s/GPU {r.get('tokens_per_s')}, first step "
-                  f"{r.get('first_step_s')} s, loss {r.get('loss')}, {time.time() - start:.0f} s",
+                  f"{r.get('first_step_s')} s, loss {r.get('loss')}, {time.time() - row_start:.0f} s",
                   file=sys.stderr, flush=True)
         meta["device"] = next((r["device"] for r in rows if r.get("device")), None)
         ok = {r["row"]: r for r in rows if r.get("loss") is not None}

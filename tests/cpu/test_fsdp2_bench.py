@@ -68,6 +68,24 @@ def test_rows_past_the_deadline_are_reported_not_run(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == rows
 
 
+def test_the_deadline_counts_from_the_start_not_from_each_row(monkeypatch):
+    """Rows of 20 s each (a clock the launches advance), --deadline 100 s from `start`, 60 s a row at
+    least: three rows run (100, 80 and 60 s left before each), the fourth is not (40 s left)."""
+    clock = [0.0]
+
+    def launch(row, args, timeout, command):
+        clock[0] += 20.0
+        return dict(row=row, tokens_per_s=1.0, loss=1.0)
+
+    monkeypatch.setattr(row_launcher.time, "time", lambda: clock[0])
+    monkeypatch.setattr(row_launcher, "spawn", launch)
+    args = fsdp2_llama.parse_args(["--rows", "bf16-eager,bf16-regional,fp8plug-eager,fp8plug-regional",
+                                   "--deadline", "100", "--min-row-s", "60", "--nproc", "1"])
+    rows = row_launcher.run_rows(args, dict(spec=args.spec), fsdp2_llama.child_command, 0.0)
+    assert ["error" in r for r in rows] == [False, False, False, True]
+    assert rows[3]["error"].startswith("not run: 40 s left")
+
+
 def test_a_row_cut_short_reports_the_steps_it_finished(tmp_path):
     args = fsdp2_llama.parse_args(["--steps", "10", "--warmup", "2", "--nproc", "1"] + TINY)
     progress = dict(first_step_s=50.0, fp8_modules=14, step_ms_all=[9000.0, 100.0, 100.0, 120.0, 100.0],
