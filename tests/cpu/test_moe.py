@@ -11,7 +11,7 @@ import torch
 import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
-from fp8plug.backends.native import dense_experts, grouped
+from fp8plug.backends.native import dense_experts, grouped, grouped_cast
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, settle_all
 from tests.support.hf import fresh
@@ -91,11 +91,11 @@ def test_grouped_gemm_gradients_in_fp8_against_float():
     rx, rw = torch.autograd.grad(ref, (x, w), grad)
     assert sqnr_db(gx, rx) > 25 and sqnr_db(gw, rw) > 25
     assert gw[1].abs().sum() == 0  # the expert no token reached gets no gradient
-    # the input gradient is exactly the FP8 GEMM of the quantized operands (rowwise over N, the weight per k)
-    w_kn = w.detach().transpose(-2, -1)
-    exact = _per_expert(_quantized(grouped.pad_groups(grad, grouped.group_layout(_offsets(GROUP_SIZES), len(grad)))
-                                   .index_select(0, grouped.group_layout(_offsets(GROUP_SIZES), len(grad)).rows)),
-                        _quantized(w_kn), GROUP_SIZES, lambda a, b: a @ b.t())
+    # the input gradient is exactly the FP8 GEMM of the quantized operands (the gradient rowwise over
+    # N, the weight one scale an expert, the largest of its forward row scales)
+    expert_inv = grouped.rowwise(w.detach())[1].amax(dim=-1)
+    w_kn = grouped_cast.expert_scaled(w.detach().transpose(-2, -1), grouped_cast.reciprocal(expert_inv)).float()
+    exact = _per_expert(_quantized(grad), w_kn * expert_inv[:, None, None], GROUP_SIZES, lambda a, b: a @ b.t())
     torch.testing.assert_close(gx, exact, rtol=1e-6, atol=1e-5)
 
 
@@ -147,6 +147,38 @@ def test_the_gemms_as_dense_gemms_per_expert_equal_the_grouped_ones(monkeypatch,
     assert dense[2].dtype == weight_dtype
     for a, b in zip(dense, grouped_result):
         assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("max_experts", [0, len(GROUP_SIZES)])  # grouped; dense, written in place
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_output_gradients_fp8_operand_is_made_in_pieces_with_bf16_weights_too(monkeypatch, max_experts,
+                                                                                 transposed):
+    """Past WEIGHT_GRADIENT_OPERAND_PIECE_BYTES the weight gradient of unconverted (bf16) weights is
+    made in pieces too, each piece's FP8 operand cast from its own columns: bit for bit one piece."""
+    torch.manual_seed(2)
+    k, n = 32, 80
+    x = torch.randn(sum(GROUP_SIZES), k).to(torch.bfloat16)
+    w = torch.randn(len(GROUP_SIZES), n, k).to(torch.bfloat16)
+    stored = (w.transpose(-2, -1).contiguous() if transposed else w).requires_grad_()
+    grad = torch.randn(sum(GROUP_SIZES), n).to(torch.bfloat16)
+    monkeypatch.setattr(dense_experts, "DENSE_GEMMS_MAX_EXPERTS", max_experts)
+    casts = []
+    cast = grouped.cast_weight_grad_operand
+    monkeypatch.setattr(grouped, "cast_weight_grad_operand", lambda t, layout: casts.append(t.shape) or cast(t, layout))
+
+    def weight_gradient(operand_bytes):
+        monkeypatch.setattr(grouped, "WEIGHT_GRADIENT_OPERAND_PIECE_BYTES", operand_bytes)
+        casts.clear()
+        out = grouped.grouped_fp8_linear(x, stored, _offsets(GROUP_SIZES), transposed=transposed)
+        return torch.autograd.grad(out, stored, grad)[0]
+
+    whole = weight_gradient(2**40)
+    assert casts == [(sum(GROUP_SIZES), k), (sum(GROUP_SIZES), n)]
+    padded_rows = grouped.group_layout(_offsets(GROUP_SIZES), sum(GROUP_SIZES)).padded_rows
+    pieces = weight_gradient(padded_rows * 32)  # 32 rows of the operand a piece: 80 rows in three pieces
+    assert casts[1:] == [(sum(GROUP_SIZES), 32), (sum(GROUP_SIZES), 32), (sum(GROUP_SIZES), 16)]
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == stored.shape and pieces.abs().sum() > 0
+    assert torch.equal(pieces, whole)
 
 
 @pytest.mark.parametrize("experts, dense_calls", [(8, 3), (9, 0)])

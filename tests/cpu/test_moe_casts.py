@@ -4,11 +4,14 @@ the compiled-model path): compiled here on the CPU by inductor, whose divisions 
 rounded as Triton's are not, which the float64 divisions make moot. Shapes a Mixtral-like
 experts module casts (3-D weights and their transposed views), rows holding zeros, NaN and inf
 (NaN the same, whatever its sign bit). The token and weight-gradient casts are Triton kernels on
-CUDA only (tests/gpu/test_transposed_cast.py)."""
+CUDA only (tests/gpu/test_transposed_cast.py). And the input gradient's weight, cast with one scale
+an expert, keeps the precision of one scale a column against float64."""
 
+import pytest
 import torch
 
 from fp8plug.backends.native import grouped, grouped_cast
+from tests.support.numerics import sqnr_db
 
 SIZES = [5, 0, 17, 10, 32]
 
@@ -39,10 +42,16 @@ def _weight():
     return w
 
 
+def expert_scale(w):
+    """The input gradient's weight scale, one an expert: from the forward's row inverse scales."""
+    return grouped_cast.reciprocal(grouped.rowwise(w)[1].amax(dim=-1))
+
+
 def test_weight_casts_both_directions_are_bit_identical():
     w = _weight()  # float32 master weights (bf16 ones: tests/gpu/test_moe_casts.py; one compile is seconds here)
     _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
-    _same(grouped_cast.weight_input_grad(w.transpose(-2, -1)), grouped.rowwise(w.transpose(-2, -1)))
+    w_kn, scale = w.transpose(-2, -1), expert_scale(w)
+    _same([grouped_cast.weight_input_grad(w_kn, scale)], [grouped_cast.expert_scaled(w_kn, scale)])
 
 
 def test_eager_cuda_only_and_never_inside_torch_compile():
@@ -72,3 +81,25 @@ def test_a_cast_past_its_compile_limit_runs_unfused_with_one_warning(monkeypatch
             _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
     warnings = [r for r in caplog.records if "compiled 1 shapes" in r.getMessage()]
     assert len(warnings) == 1 and "_weight_forward" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("spread", [0, 2, 4])
+def test_one_scale_an_expert_keeps_the_input_gradients_precision(spread):
+    """Columns of each expert weight spread over 10^spread: the input gradient's weight cast with
+    one scale an expert (from the forward's row scales) against one a column, both held against
+    float64. e4m3's relative precision is the same at any magnitude in its normal range."""
+    torch.manual_seed(spread)
+    w = torch.randn(4, 256, 512, dtype=torch.float64) * 0.02 * torch.logspace(-spread / 2, spread / 2, 512,
+                                                                               dtype=torch.float64)
+    grad = torch.randn(300, 256, dtype=torch.float64)
+    expert_inv = grouped.rowwise(w.float())[1].amax(dim=-1)
+    per_expert, inv = grouped.cast_weight_input_grad(w.float(), expert_inv)
+    assert per_expert.shape == (4, 512, 256) and inv.shape == (4, 512)
+    per_column, column_inv = grouped.rowwise(w.float().transpose(-2, -1))
+    for e in range(4):
+        reference = grad @ w[e]
+        ours = sqnr_db(grad.float() @ (per_expert[e].float() * inv[e][:, None]).t(), reference)
+        columns = sqnr_db(grad.float() @ (per_column[e].float() * column_inv[e][:, None]).t(), reference)
+        assert ours > 30 and ours > columns - 0.5, (e, ours, columns)
+    assert torch.equal(inv, expert_inv[:, None].expand(-1, 512))
+    assert torch.equal(grouped_cast.reciprocal(expert_inv), grouped_cast.reciprocal(inv[:, 0]))

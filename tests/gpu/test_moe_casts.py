@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp8plug.backends.native import grouped, grouped_cast
-from tests.cpu.test_moe_casts import _same
+from tests.cpu.test_moe_casts import _same, expert_scale
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -23,7 +23,8 @@ def test_fused_casts_are_bit_identical_on_cuda(dtype):
     w[2, 3, 5] = float("nan")
     assert grouped_cast.usable(w)
     _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
-    _same(grouped_cast.weight_input_grad(w.transpose(-2, -1)), grouped.rowwise(w.transpose(-2, -1)))
+    w_kn, scale = w.transpose(-2, -1), expert_scale(w)
+    _same([grouped_cast.weight_input_grad(w_kn, scale)], [grouped_cast.expert_scaled(w_kn, scale)])
     # the token and weight-gradient casts, gathered through the padded layout: test_transposed_cast.py
 
 

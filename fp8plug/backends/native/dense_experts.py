@@ -88,7 +88,7 @@ def _pairs(ends: list) -> list:
 
 def dense_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor, bounds: list,
                      out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False,
-                     starts: Optional[list] = None, rows: int = 0) -> torch.Tensor:
+                     starts: Optional[list] = None, rows: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`scaled_grouped_mm` as one dense FP8 GEMM per expert, each written into its slice of the
     result. 2-D x 3-D (forward, input gradient): the group's rows of a [P, K] times b[e] [K, N]
     (column-major), scales the group's [rows] and [N] -> [P, N] (rows past the last group left
@@ -99,12 +99,16 @@ def dense_grouped_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_
     With `starts` (2-D x 3-D), group e's rows land at row starts[e] of a [rows, N] result, the
     tokens' own order: the zero rows that pad a group's end are written over by the next group's
     GEMM (they run in order on one stream), and the last group's fall past `rows` (16 more are
-    allocated). Every row of the result is then one token's, with no gather back."""
+    allocated). Every row of the result is then one token's, with no gather back.
+
+    `out` (2-D x 2-D): an [E, N, K] view to write into (each out[e] contiguous, of out_dtype), such
+    as a piece of a larger gradient; returned."""
     emulated = emulates(a.device)
     out_dtype = out_dtype if emulated else torch.bfloat16  # the kernel writes bf16 (rowwise)
     if b.dim() == 2:
         experts, n, k = len(bounds), a.shape[0], b.shape[1]
-        out = torch.empty(experts, n, k, device=a.device, dtype=out_dtype)
+        if out is None:
+            out = torch.empty(experts, n, k, device=a.device, dtype=out_dtype)
         scale_a, scale_b = inv_a.view(experts, n, 1), inv_b.view(experts, 1, k)
         for e, (s, t) in enumerate(bounds):
             _dense_mm(a[:, s:t], b[s:t], scale_a[e], scale_b[e], out[e], fast_accum)

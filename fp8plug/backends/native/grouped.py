@@ -23,7 +23,9 @@ tests, torch 2.11-2.13, sm_90):
   shapes and the grouped kernel never syncs with the host (the dense GEMMs read the groups'
   bounds: `DenseBounds`).
   Zero rows add nothing to any product; what they cost is counted by the benchmark.
-- dynamic rowwise scaling: each row's (or per-group column's) own amax, every call. A per-tensor
+- dynamic rowwise scaling: each row's (or per-group column's) own amax, every call; the input
+  gradient's weight one scale per expert, the largest of its forward row scales (that column
+  amax pass would read every weight once more: `cast_weight_input_grad`). A per-tensor
   delayed scale shared by all experts would waste range on the experts with small activations,
   and the kernel takes rowwise scales anyway; dynamic scales need no state, so a checkpoint holds
   nothing for experts and resume is exact by construction (docs/moe.md).
@@ -32,7 +34,7 @@ A non-finite value stays visible: a NaN or inf amax gives a NaN row (see `rowwis
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -45,6 +47,7 @@ from fp8plug.backends.native.grouped_cast import (  # the casts' constants, writ
     E4M3_MAX,
     GROUP_ALIGNMENT,  # rows per token group, and the stride alignment of the FP8 operands
 )
+from fp8plug.backends.native.token_layout import GroupLayout, group_layout, layout_of, pad_groups, unpad_groups
 
 
 def grouped_gemm_problem(device: Optional[torch.device] = None) -> Optional[str]:
@@ -62,58 +65,6 @@ def grouped_gemm_problem(device: Optional[torch.device] = None) -> Optional[str]
         return (f"torch._scaled_grouped_mm with rowwise FP8 scales runs on sm_90 (Hopper) only; this GPU is "
                 f"sm_{major}{minor}")
     return None
-
-
-# --- the padded token layout ---------------------------------------------------------------------
-
-
-class GroupLayout(NamedTuple):
-    """Where each token row of a grouped operand lands once every group starts at a multiple of
-    GROUP_ALIGNMENT, computed on the device from the offsets (no host sync; `group_layout`).
-
-    `rows`: the destination of each of the S input rows in the padded buffer of `padded_rows`
-    rows; `source`: the other way round, the input row of each padded row (int32, -1 for a zero
-    row); `offs`: the padded groups' ends (int32); `group`: the group of each padded row (rows
-    past the last group count as the last one: they are zero). Rows past `offs[-1]` in the input
-    (expert-parallel sentinels) land past the padded last group, where no GEMM reads."""
-
-    rows: torch.Tensor
-    source: torch.Tensor
-    offs: torch.Tensor
-    group: torch.Tensor
-    padded_rows: int
-    experts: int
-
-
-def group_layout(offs: torch.Tensor, num_rows: int) -> GroupLayout:
-    experts = offs.shape[0]
-    ends = offs.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    # an empty group gets 16 zero rows too: the weight gradient of an expert no token reached is
-    # then computed (zeros) like any other, never left as whatever memory the kernel skipped held
-    padded_sizes = torch.clamp((sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT, min=1) * GROUP_ALIGNMENT
-    padded_ends = torch.cumsum(padded_sizes, 0)
-    zero = ends.new_zeros(1)
-    starts = torch.cat([zero, ends])  # group e starts at starts[e]; "group" E is the tail
-    padded_starts = torch.cat([zero, padded_ends])
-    index = torch.arange(num_rows, device=offs.device)
-    group_of_row = torch.searchsorted(ends, index, right=True)
-    rows = index - starts[group_of_row] + padded_starts[group_of_row]
-    padded_rows = -(-num_rows // GROUP_ALIGNMENT) * GROUP_ALIGNMENT + GROUP_ALIGNMENT * experts
-    padded_index = torch.arange(padded_rows, device=offs.device)
-    group = torch.searchsorted(padded_ends, padded_index, right=True).clamp_(max=experts - 1)
-    source = torch.full((padded_rows,), -1, dtype=torch.int32, device=offs.device)
-    source.index_copy_(0, rows, index.to(torch.int32))
-    return GroupLayout(rows, source, padded_ends.to(torch.int32), group, padded_rows, experts)
-
-
-def pad_groups(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    """`t`'s rows in the padded layout, zeros between the groups."""
-    return t.new_zeros(layout.padded_rows, t.shape[-1]).index_copy(0, layout.rows, t)
-
-
-def unpad_groups(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    return t.index_select(0, layout.rows)
 
 
 # --- casts ----------------------------------------------------------------------------------------
@@ -156,16 +107,29 @@ def cast_weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
     return grouped_cast.weight_forward(w_nk) if _fused(w_nk) else rowwise(w_nk)
 
 
-def cast_weight_input_grad(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The input gradient's weight: [E, N, K] cast along N, written [E, K, N] contiguous, and its
-    inverse scales [E, K]. Fused: the column amaxes and the transposed cast of transposed_cast
-    (the scales by grouped_cast's exact arithmetic); the compiled reduction over the weight's
-    strided dimension took 1.1 ms a Mixtral gate_up."""
+def cast_weight_input_grad(w_nk: torch.Tensor, expert_inv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The input gradient's weight: [E, N, K] written [E, K, N] contiguous in e4m3 with one scale
+    per expert, from `expert_inv` [E], the largest of the forward's row inverse scales (so the
+    expert's amax over 448), and the kernel's per-(expert, k) inverse scales [E, K], each the
+    expert's.
+
+    Why one scale an expert, where the kernel takes one per column: a column's scale needs the
+    columns' amaxes, a second read of every expert weight each step (1.6 ms of a compiled Mixtral
+    step on an H200) where the forward's row amaxes already give the expert's. e4m3 keeps its three
+    mantissa bits over 2^14 below its largest value, so columns whose amaxes differ by less than
+    that lose no precision to a shared scale: with columns spread over 10^4 the input gradient is
+    within 0.2 dB of per-column scaling against float64 (tests/cpu/test_moe_casts.py).
+    TransformerEngine's grouped Linear scales each expert weight per tensor too. Fused:
+    transposed_cast's transposed write with that scale."""
+    scale = grouped_cast.reciprocal(expert_inv)
+    inv = expert_inv[:, None].expand(-1, w_nk.shape[-1]).contiguous()
     if _fused(w_nk) and w_nk.stride(-1) == 1:
-        data, scale = transposed_cast.cast_columns(w_nk, grouped_cast.scale_of, transposed_cast.ALL_ROWS, 1)
-        return data, grouped_cast.reciprocal(scale)[:, 0, :]
+        columns = scale.view(-1, 1, 1).expand(-1, 1, w_nk.shape[-1])
+        return transposed_cast.cast_transposed(w_nk, columns, transposed_cast.ALL_ROWS), inv
     w_kn = w_nk.transpose(-2, -1)
-    return grouped_cast.weight_input_grad(w_kn) if _fused(w_kn) else rowwise(w_kn)
+    if _fused(w_kn):
+        return grouped_cast.weight_input_grad(w_kn, scale), inv
+    return grouped_cast.expert_scaled(w_kn, scale), inv
 
 
 def cast_tokens(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -263,34 +227,35 @@ def _(a, b, inv_a, inv_b, offs, out_dtype, fast_accum):
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
-             result_dtype: torch.dtype) -> torch.Tensor:
-    layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout.offs, offs)
+             result_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the output, each expert's largest forward row inverse scale [E], which the input gradient's
+    weight cast takes: `cast_weight_input_grad`)."""
+    layout, dense = layout_of(offs, x.shape[0])
     w_nk = weight.transpose(-2, -1) if transposed else weight  # [E, N, K]
     x_fp8, x_inv = cast_tokens(x, layout)
     w_fp8, w_inv = cast_weight_forward(w_nk)
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     out = _tokens_gemm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout, dense, out_dtype, True)
-    return out.to(result_dtype)
+    return out.to(result_dtype), w_inv.amax(dim=-1)
 
 
-def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
-              need_x: bool, need_w: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+              expert_inv: torch.Tensor, transposed: bool, need_x: bool,
+              need_w: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(grad_x or None, grad_w or None): each GEMM only where its result is needed.
 
     Ordered for the peak: an MoE model's memory peaks in the backward of its first layer's expert
     projections, where nearly every parameter gradient already exists. So each FP8 operand is
-    freed as soon as its GEMM has run, and the weight gradient is made last and, where it is
-    converted, in pieces (`_weight_gradient`)."""
-    layout = group_layout(offs, x.shape[0])
-    dense = DenseBounds(layout.offs, offs)
+    freed as soon as its GEMM has run, and the weight gradient is made last, in pieces
+    (`_weight_gradient`)."""
+    layout, dense = layout_of(offs, x.shape[0])
     grad_out = grad_out.contiguous()
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     grad_x = grad_w = None
     if need_x:
         g_fp8, g_inv = cast_tokens(grad_out, layout)
         w_nk = weight.transpose(-2, -1) if transposed else weight
-        w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk)  # [E, K, N], a scale per (expert, k)
+        w_kn_fp8, w_kn_inv = cast_weight_input_grad(w_nk, expert_inv)  # [E, K, N], a scale an expert
         grad_x = _tokens_gemm(g_fp8, w_kn_fp8.transpose(-2, -1), g_inv, w_kn_inv, layout, dense, out_dtype, False)
         del g_fp8, w_kn_fp8  # 0.5 and 0.9 GB a Mixtral gate_up
         grad_x = grad_x.to(x.dtype)
@@ -309,34 +274,50 @@ def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, off
 # docs/moe.md): the step peaked at 53.0 GB against Accelerate bf16's 53.4 (57.9 in one piece), and
 # the pieces' own casts cost about a tenth of the step.
 WEIGHT_GRADIENT_PIECE_BYTES = 64 * 2**20
+# The most bytes of the output gradient's FP8 operand made at once, whatever the weight's dtype. With
+# bf16 weights the step's memory peaks in the first layer's gate_up weight gradient too, where that
+# operand is the one buffer bf16's grouped GEMM does not have: 0.47 GB whole for a Mixtral gate_up
+# (one H200, compiled: the step peaked 0.33 GB above bf16's, 28.36 against 28.04 GB), four pieces of
+# 118 MB at this limit, each 8 dense GEMMs of 7168 output rows (the step then peaked at 28.03 GB;
+# benchmarks/moe/peak_allocations.py names what is live at a row's peak).
+WEIGHT_GRADIENT_OPERAND_PIECE_BYTES = 128 * 2**20
 
 
 def _weight_gradient(grad_out: torch.Tensor, x_t: torch.Tensor, x_t_inv: torch.Tensor, layout: GroupLayout,
                      bounds: Optional[list], weight: torch.Tensor, transposed: bool,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """The weight gradient [E, N, K] (or [E, K, N] with `transposed`) in the weight's dtype, from the
-    output gradient [S, N] and the input's FP8 operand x_t [K, P]. Where the kernel's bf16 output
-    must be converted, it is made in pieces of output rows (columns of grad_out), each piece's FP8
-    operand cast from its own columns and its product converted into the gradient as it comes:
-    neither the whole bf16 gradient nor the whole FP8 operand (0.5 GB a Mixtral gate_up) then
-    exists beside the float32 gradient. The same values as in one piece: a column's scale is its
-    own group's amax, and every output element is one piece's sum over P."""
+    output gradient [S, N] and the input's FP8 operand x_t [K, P], made in pieces of output rows
+    (columns of grad_out), each piece's FP8 operand cast from its own columns and its product
+    written into the gradient as it comes (converted where the weight is float32): the whole FP8
+    operand never exists, nor, where converted, the whole bf16 gradient beside the float32 one. The
+    same values as in one piece: a column's scale is its own group's amax, and every output element
+    is one piece's sum over P."""
+    n, k = grad_out.shape[1], x_t.shape[0]
+    converted = out_dtype != weight.dtype
+    limits = [WEIGHT_GRADIENT_OPERAND_PIECE_BYTES // layout.padded_rows]
+    if converted:
+        limits.append(WEIGHT_GRADIENT_PIECE_BYTES // (layout.experts * k * torch.finfo(out_dtype).bits // 8))
+    rows = max(GROUP_ALIGNMENT, min(limits) // GROUP_ALIGNMENT * GROUP_ALIGNMENT)
 
-    def product(columns: torch.Tensor) -> torch.Tensor:  # [S, n] -> [E, n, K] in out_dtype
+    def product(columns: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:  # [E, n, K]
         g_t, g_t_inv = cast_weight_grad_operand(columns, layout)
         if bounds is not None:
-            return dense_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, bounds, out_dtype)
+            return dense_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, bounds, out_dtype, out=out)
         return scaled_grouped_mm(g_t, x_t.t(), g_t_inv, x_t_inv, layout.offs, out_dtype, False)
 
-    if out_dtype == weight.dtype:
+    if rows >= n and not converted:
         grad = product(grad_out)
         return grad.transpose(-2, -1) if transposed else grad
     grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
     grad_nk = grad.transpose(-2, -1) if transposed else grad
-    n, row_bytes = grad_out.shape[1], layout.experts * x_t.shape[0] * torch.finfo(out_dtype).bits // 8
-    rows = max(GROUP_ALIGNMENT, WEIGHT_GRADIENT_PIECE_BYTES // row_bytes // GROUP_ALIGNMENT * GROUP_ALIGNMENT)
     for start in range(0, n, rows):
-        grad_nk[:, start:start + rows].copy_(product(grad_out[:, start:start + rows]))
+        piece = grad_nk[:, start:start + rows]
+        # written in place where the dense GEMMs can (each expert's rows of the piece are contiguous)
+        direct = bounds is not None and not converted and piece[0].is_contiguous()
+        made = product(grad_out[:, start:start + rows], piece if direct else None)
+        if made is not piece:
+            piece.copy_(made)
     return grad
 
 
@@ -360,52 +341,58 @@ class _GroupedFP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, offs, transposed: bool, result_dtype: torch.dtype):
-        ctx.save_for_backward(x, weight, offs)
+        out, expert_inv = _forward(x, weight, offs, transposed, result_dtype)
+        ctx.save_for_backward(x, weight, offs, expert_inv)
         ctx.transposed = transposed
-        return _forward(x, weight, offs, transposed, result_dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, offs = ctx.saved_tensors
-        grad_x, grad_w = _backward(grad_out, x, weight, offs, ctx.transposed, *ctx.needs_input_grad[:2])
+        x, weight, offs, expert_inv = ctx.saved_tensors
+        grad_x, grad_w = _backward(grad_out, x, weight, offs, expert_inv, ctx.transposed, *ctx.needs_input_grad[:2])
         return grad_x, grad_w, None, None, None
 
 
 # Compiled: two operators (backends.native.compiled_ops says why), the same functions inside.
 @torch.library.custom_op("fp8plug::grouped_fp8_linear", mutates_args=())
 def _grouped_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
-                result_dtype: torch.dtype) -> torch.Tensor:
-    return _forward(x, weight, offs, transposed, result_dtype).contiguous()
+                result_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, expert_inv = _forward(x, weight, offs, transposed, result_dtype)
+    return out.contiguous(), expert_inv
 
 
 @_grouped_op.register_fake
 def _(x, weight, offs, transposed, result_dtype):
-    return x.new_empty((x.shape[0], weight.shape[-1] if transposed else weight.shape[-2]), dtype=result_dtype)
+    return (x.new_empty((x.shape[0], weight.shape[-1] if transposed else weight.shape[-2]), dtype=result_dtype),
+            x.new_empty((weight.shape[0],), dtype=torch.float32))
 
 
 @torch.library.custom_op("fp8plug::grouped_fp8_linear_backward", mutates_args=())
 def _grouped_op_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                         transposed: bool, need_x: bool, need_w: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_w = _backward(grad_out, x, weight, offs, transposed, need_x, need_w)
+                         expert_inv: torch.Tensor, transposed: bool, need_x: bool,
+                         need_w: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = _backward(grad_out, x, weight, offs, expert_inv, transposed, need_x, need_w)
     return compiled_ops.or_absent(grad_x, x), compiled_ops.or_absent(grad_w, weight)
 
 
 @_grouped_op_backward.register_fake
-def _(grad_out, x, weight, offs, transposed, need_x, need_w):
+def _(grad_out, x, weight, offs, expert_inv, transposed, need_x, need_w):
     return (torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else compiled_ops.absent(x),
             torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else compiled_ops.absent(weight))
 
 
 def _grouped_op_setup(ctx, inputs, output):
     x, weight, offs, transposed, _ = inputs
-    ctx.save_for_backward(x, weight, offs)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, offs, output[1])
     ctx.transposed = transposed
 
 
-def _grouped_op_autograd(ctx, grad_out):
-    x, weight, offs = ctx.saved_tensors
+def _grouped_op_autograd(ctx, grad_out, _):
+    x, weight, offs, expert_inv = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_x, grad_w = _grouped_op_backward(grad_out.contiguous(), x, weight, offs, ctx.transposed, need_x, need_w)
+    grad_x, grad_w = _grouped_op_backward(grad_out.contiguous(), x, weight, offs, expert_inv, ctx.transposed, need_x,
+                                          need_w)
     return compiled_ops.or_none(grad_x, need_x), compiled_ops.or_none(grad_w, need_w), None, None, None
 
 
@@ -425,7 +412,7 @@ def grouped_fp8_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
         # float32 residual stream hands transformers' experts float32 tokens)
         x = x.to(result_dtype)
     if compiled_ops.compiling():
-        return _grouped_op(x, weight, offs.to(torch.int32), transposed, result_dtype)
+        return _grouped_op(x, weight, offs.to(torch.int32), transposed, result_dtype)[0]
     return _GroupedFP8Linear.apply(x, weight, offs.to(torch.int32), transposed, result_dtype)
 
 

@@ -24,9 +24,10 @@ compiled experts are an operator); on a CPU (the emulation) the torch ops run, a
 reference. The weight casts are compiled once per shape (static); one function per role below,
 so each keeps its own entries in dynamo's cache.
 
-The forward's weight cast (rowwise along K) and the input gradient's (along N) are made when each
-is needed: making both from one read in the forward would keep an FP8 copy of every expert weight
-alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for 32 layers).
+The forward's weight cast (rowwise along K) and the input gradient's (one scale an expert, written
+[E, K, N]) are made when each is needed: making both from one read in the forward would keep an
+FP8 copy of every expert weight alive from forward to backward (1.4 GB a Mixtral layer, 45 GB for
+32 layers).
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ def _weight_forward(t):
     return _rowwise(t)
 
 
-def _weight_input_grad(t):
-    return _rowwise(t)
+def expert_scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] in e4m3 with one scale per expert (`scale` [E] float32), contiguous: the input
+    gradient's weight (backends/native/grouped.py says why one an expert)."""
+    return (t * scale.view(-1, 1, 1)).to(E4M3).contiguous()
+
+
+def _weight_input_grad(t, scale):
+    return expert_scaled(t, scale)
 
 
 _COMPILED: Dict[Callable, Callable] = {}
@@ -124,10 +131,10 @@ def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return _run(_weight_forward, w_nk)
 
 
-def weight_input_grad(w_kn: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The input gradient's weight [E, K, N] cast along N, written contiguous: weights stored that
-    way (GPT-OSS's); those stored [E, N, K] take transposed_cast's kernels (grouped.py)."""
-    return _run(_weight_input_grad, w_kn)
+def weight_input_grad(w_kn: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The input gradient's weight [E, K, N], one scale an expert, written contiguous: weights
+    stored that way (GPT-OSS's); those stored [E, N, K] take transposed_cast's kernel (grouped.py)."""
+    return _run(_weight_input_grad, w_kn, scale)
 
 
-__all__ = ["reciprocal", "scale_of", "usable", "weight_forward", "weight_input_grad"]
+__all__ = ["expert_scaled", "reciprocal", "scale_of", "usable", "weight_forward", "weight_input_grad"]

@@ -79,6 +79,28 @@ def _build():
     import triton.language as tl
 
     @triton.jit
+    def read_rows(src_ptr, rows, n_rows, GATHER: tl.constexpr):
+        """(the row of the tensor each of `rows` reads, whether it reads one): through the row map
+        where GATHER (-1: a zero row), else the rows themselves."""
+        if GATHER:
+            src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+            return src, (src >= 0) & (rows < n_rows)
+        return rows, rows < n_rows
+
+    @triton.jit
+    def load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER: tl.constexpr):
+        """The tile of `rows` x `cols` (zeros outside the tensor and for zero rows), as stored."""
+        src, valid = read_rows(src_ptr, rows, n_rows, GATHER)
+        return tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & (cols[None, :] < n_cols),
+                       other=0.0)
+
+    @triton.jit
+    def abs_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER: tl.constexpr):
+        """|tile| in float32, NaN read as inf (so a column holding one gets an inf amax)."""
+        a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER).to(tl.float32))
+        return tl.where(a != a, float("inf"), a)
+
+    @triton.jit
     def column_amax(x_ptr, src_ptr, seg_ptr, amax_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
                     GATHER: tl.constexpr, SEGMENTS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     STEPS: tl.constexpr, GR: tl.constexpr):
@@ -105,15 +127,7 @@ def _build():
             acc = tl.zeros((BR, BC), dtype=tl.float32)
             for step in range(STEPS):
                 rows = first_row + step * BR + tl.arange(0, BR)
-                if GATHER:  # the row each row reads (-1: a zero row)
-                    src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-                    valid = (src >= 0) & (rows < n_rows)
-                else:
-                    src, valid = rows, rows < n_rows
-                x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
-                            mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
-                a = tl.abs(x.to(tl.float32))
-                acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
+                acc = tl.maximum(acc, abs_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER))
             tl.atomic_max(out + current * n_cols, tl.max(acc, axis=0), mask=cols < n_cols)
         else:
             running = tl.zeros((BC,), dtype=tl.float32)
@@ -126,15 +140,8 @@ def _build():
                         running = tl.zeros((BC,), dtype=tl.float32)
                         current = seg
                     rows = start + tl.arange(0, GR)
-                    if GATHER:
-                        src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-                        valid = (src >= 0) & (rows < n_rows)
-                    else:
-                        src, valid = rows, rows < n_rows
-                    x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :],
-                                mask=valid[:, None] & (cols[None, :] < n_cols), other=0.0)
-                    a = tl.abs(x.to(tl.float32))
-                    running = tl.maximum(running, tl.max(tl.where(a != a, float("inf"), a), axis=0))
+                    a = abs_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
+                    running = tl.maximum(running, tl.max(a, axis=0))
             tl.atomic_max(out + current * n_cols, running, mask=cols < n_cols)
 
     @triton.jit
@@ -146,14 +153,8 @@ def _build():
         pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
-        if GATHER:  # the row each row reads (-1: a zero row)
-            src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-            valid = (src >= 0) & (rows < n_rows)
-        else:
-            src, valid = rows, rows < n_rows
         in_cols = cols[None, :] < n_cols
-        x = tl.load(x_ptr + b * x_batch + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & in_cols,
-                    other=0.0)
+        x = load_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
         scales = scale_ptr + b * n_segments * n_cols
         if SEGMENTS == 0:
             s = tl.load(scales + cols, mask=cols < n_cols, other=1.0)[None, :]
@@ -178,15 +179,11 @@ def _build():
         correctly rounded (a NaN row keeps a NaN scale), inv[r] = 1 / scale_r; zero rows where the
         map says -1."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-        src = tl.load(src_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-        valid = (src >= 0) & (rows < n_rows)
         amax = tl.zeros((BR,), dtype=tl.float32)
         nan = tl.zeros((BR,), dtype=tl.int32)
         for start in range(0, n_cols, BC):
             cols = start + tl.arange(0, BC)
-            x = tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & (cols[None, :] < n_cols),
-                        other=0.0)
-            a = tl.abs(x.to(tl.float32))
+            a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, True).to(tl.float32))
             nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
             amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, a), axis=1))
         amax = tl.where(nan > 0, float("nan"), tl.maximum(amax, AMAX_FLOOR))
@@ -194,8 +191,7 @@ def _build():
         tl.store(inv_ptr + rows, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), scale), mask=rows < n_rows)
         for start in range(0, n_cols, BC):
             cols = start + tl.arange(0, BC)
-            x = tl.load(x_ptr + src[:, None] * x_row + cols[None, :], mask=valid[:, None] & (cols[None, :] < n_cols),
-                        other=0.0)
+            x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, True)
             y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
             tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
                      (cols[None, :] < n_cols))
