@@ -180,13 +180,14 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
     gp = grouped.pad_groups(g, layout)
     xp = grouped.pad_groups(x.detach(), layout)
     g8, g_inv = grouped.rowwise(gp)
-    w_kn8, w_kn_inv = grouped.rowwise(w.detach().transpose(-2, -1))
+    w8, w_inv = grouped.rowwise(w.detach())
+    expert_inv = w_inv.amax(dim=-1)  # what the forward hands the input gradient's weight cast
+    w_kn8, w_kn_inv = grouped.cast_weight_input_grad(w.detach(), expert_inv)
     g_t8, g_t_inv = grouped.groupwise_columns(gp, layout)
     x_t8, x_t_inv = grouped.groupwise_columns(xp, layout)
     mm = grouped.scaled_grouped_mm
     fp8 = grouped.grouped_fp8_linear
     x8, x_inv = grouped.rowwise(xp)
-    w8, w_inv = grouped.rowwise(w.detach())
     timed_dense, dense_facts = dense_cases({"fwd": (x8, w8.transpose(-2, -1), x_inv, w_inv),
                                             "dgrad": (g8, w_kn8.transpose(-2, -1), g_inv, w_kn_inv),
                                             "wgrad": (g_t8, x_t8.t(), g_t_inv, x_t_inv)}, layout)
@@ -196,7 +197,7 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
         "fp8_gemm_dgrad": lambda: mm(g8, w_kn8.transpose(-2, -1), g_inv, w_kn_inv, layout.offs, torch.bfloat16, False),
         "fp8_gemm_wgrad": lambda: mm(g_t8, x_t8.t(), g_t_inv, x_t_inv, layout.offs, torch.bfloat16, False),
         "cast_weight_fwd": lambda: grouped.cast_weight_forward(w.detach()),
-        "cast_weight_dgrad": lambda: grouped.cast_weight_input_grad(w.detach()),
+        "cast_weight_dgrad": lambda: grouped.cast_weight_input_grad(w.detach(), expert_inv),
         "cast_tokens_grad": lambda: grouped.cast_tokens(g, layout),
         "cast_wgrad_grad": lambda: grouped.cast_weight_grad_operand(g, layout),
         "pad_grad": lambda: grouped.pad_groups(g, layout),

@@ -62,7 +62,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
 from fresh_process import run_fresh  # noqa: E402
 from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama_measure import StepClock, gpu_memory, note_early_step, step_numbers  # noqa: E402
-from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
+from hf_llama_task import loss_floor, make_batches, training_step, warmup_schedule  # noqa: E402
 
 MODELS = {
     # Mixtral-shaped: 2.9B parameters at 2 layers (fp32 AdamW fits one H100)
@@ -186,14 +186,7 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
     engine = getattr(accelerator, "fp8_engine", None)
     clock, losses, out = StepClock(cuda), [], dict(engine=getattr(engine, "name", None))
 
-    def step(i):
-        loss = model(input_ids=data[i], labels=data[i]).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    step = training_step(accelerator, model, optimizer, scheduler, data)
     marks = [clock.mark()]
     for i in range(steps):
         losses.append(step(i))

@@ -87,7 +87,7 @@ from hf_llama_measure import (  # noqa: E402
     note_early_step,
     step_numbers,
 )
-from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, warmup_schedule  # noqa: E402,F401
+from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, training_step, warmup_schedule  # noqa: E402,F401
 
 PRESETS = {
     # the benchmark Llama: 4 layers of Llama-3-8B's width (d=4096, ffn 14336, 32/8 heads)
@@ -283,14 +283,7 @@ def train(row: str, spec: dict, steps: int, warmup: int, lr: float, device, t0: 
     out = model_facts(model, optimizer, accelerator, BASES[row.rsplit("-", 1)[0]][2])
     clock, losses = StepClock(cuda), []
 
-    def step(i):
-        loss = model(input_ids=data[i], labels=data[i]).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    step = training_step(accelerator, model, optimizer, scheduler, data)
     marks = [clock.mark()]  # the end of each step (the first: the start of step 0)
     for i in range(steps):
         losses.append(step(i))

@@ -1,5 +1,6 @@
 """What every row of benchmarks/training/hf_llama.py trains, whichever way it runs the model: the synthetic
-task, the LlamaForCausalLM, and the learning-rate schedule.
+task, the LlamaForCausalLM, the learning-rate schedule and the training step (benchmarks/moe's rows use
+them too).
 
 A module of its own because two training loops use it, hf_llama.py's own (the Accelerator rows)
 and hf_llama_trainer.py's (`transformers.Trainer`, the `trainer` rows); both must train on the same
@@ -82,3 +83,15 @@ def warmup_schedule(optimizer, steps: int):
 
     warmup = max(1, steps // 10)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+
+
+def training_step(accelerator, model, optimizer, scheduler, data):
+    """step(i): one optimizer step on batch i, its loss detached."""
+    def step(i):
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
