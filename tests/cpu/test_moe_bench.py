@@ -1,7 +1,7 @@
 """benchmarks/moe's bookkeeping without launching a row: the loss against the bf16 row of the
 same compile mode, the issue's model shapes, every base in every compile mode, and the
 unfused-casts switch of grouped_gemm.py putting the fused casts back, its per-expert dense weight
-gradient against the grouped kernel, and peak_allocations.py's replay of a memory trace. (A toy row end to end:
+gradient against the grouped kernel. (A toy row end to end:
 `python3 benchmarks/moe/moe_llm.py --device cpu --model toy --steps 4 --backend native
 --compile-backend aot_eager`, about 2 minutes here, mostly imports.)"""
 
@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "moe"))
 import grouped_gemm  # noqa: E402
 import moe_llm  # noqa: E402
-import peak_allocations  # noqa: E402
 
 
 def test_loss_is_compared_with_bf16_of_the_same_compile_mode():
@@ -93,18 +92,3 @@ def test_the_dense_gemms_per_expert_are_the_grouped_kernels():
     assert cases["fp8_gemm_dgrad_dense_sync"]().shape == (layout.padded_rows, 48)
     assert cases["fp8_gemm_wgrad_dense"]().shape == (4, 32, 48)
 
-
-def test_the_peak_is_replayed_from_the_memory_trace():
-    fp8plug_frame = dict(filename="/site/fp8plug/backends/native/grouped.py", line=3, name="_backward")
-    snapshot = {"segments": [{"blocks": [
-        dict(address=1, size=100, state="active_allocated", frames=[]),  # there before the step
-        dict(address=2, size=50, state="active_allocated", frames=[fp8plug_frame]),
-        dict(address=9, size=1000, state="inactive", frames=[])]}],
-        "device_traces": [[dict(action="alloc", addr=2, size=50, frames=[fp8plug_frame]),
-                           dict(action="alloc", addr=3, size=70, frames=[]),
-                           dict(action="free_requested", addr=3, size=70),
-                           dict(action="alloc", addr=4, size=60, frames=[])]]}
-    total, blocks, event = peak_allocations.peak_blocks(snapshot)
-    assert (total, event) == (220, 1) and sorted(blocks) == [1, 2, 3]
-    assert blocks[1][2] == "before" and blocks[2][2] == "step"
-    assert peak_allocations.where([fp8plug_frame]) == "grouped.py:3:_backward"
