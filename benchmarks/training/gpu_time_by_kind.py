@@ -44,7 +44,7 @@ def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
     """Run `step` `steps` times under the profiler; per-step GPU milliseconds by group (summed over
     streams, so overlapped communication counts in full), the communication no compute hid, the
     time no kernel ran at all (the host was behind, or the rank waited), the `top` kernels by time,
-    and the kernel count per step."""
+    the kernel count per step, and where the GPU was idle (`idle_gaps`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,6 +63,7 @@ def profile_steps(step: Callable[[], None], steps: int, top: int = 20) -> dict:
     return dict(
         exposed_communication_ms=exposed_communication_ms(intervals, steps),
         gpu_idle_ms=gpu_idle_ms(intervals, steps),
+        idle_gaps=idle_gaps(intervals, steps),
         gpu_ms_per_step=round(sum(groups.values()), 3),
         groups_ms={k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         kernels_per_step=round(sum(e.count for e in kernels) / steps, 1),
@@ -108,6 +109,26 @@ def gpu_idle_ms(kernels: list, steps: int) -> float:
         return 0.0
     idle = (busy[-1][1] - busy[0][0]) - sum(end - start for start, end in busy)
     return round(idle / steps / 1e3, 3)
+
+
+def idle_gaps(kernels: list, steps: int, top: int = 8, name_chars: int = 60) -> list:
+    """Where the idle time of `gpu_idle_ms` falls: each gap in which no kernel runs, keyed by the
+    kernel that ran last before it and the one that ran first after it (the host caught up there),
+    summed over the profile, the `top` by time: per step {after, before, ms, count}. A gap before
+    the same kernel every step points at one place in the code (a host read, a slow launch)."""
+    ordered = sorted(kernels, key=lambda k: k[1])
+    gaps: dict = {}
+    last_name, last_end = None, None
+    for name, start, end in ordered:
+        if last_end is not None and start > last_end:
+            key = (last_name[:name_chars], name[:name_chars])
+            total, count = gaps.get(key, (0.0, 0))
+            gaps[key] = (total + start - last_end, count + 1)
+        if last_end is None or end >= last_end:
+            last_name, last_end = name, end
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return [dict(after=after, before=before, ms=round(total / steps / 1e3, 3), count=round(count / steps, 1))
+            for (after, before), (total, count) in ranked]
 
 
 def kernel_intervals(prof) -> list:

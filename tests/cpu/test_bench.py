@@ -287,6 +287,25 @@ def test_a_delayed_case_runs_its_scaling_update_like_training():
     assert layers and int(layers[-1].fp8_step.min()) == 3
 
 
+def test_step_profile_says_where_the_gpu_was_idle():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "training"))
+    try:
+        from gpu_time_by_kind import gpu_idle_ms, idle_gaps
+    finally:
+        sys.path.pop(0)
+    # two steps (us): a cast, a 300 us wait, a GEMM overlapped by a copy on another stream, a 100 us gap
+    kernels = []
+    for base in (0, 10_000):
+        kernels += [("cast", base, base + 100), ("gemm", base + 400, base + 1000), ("copy", base + 500, base + 1200),
+                    ("adam", base + 1300, base + 1500)]
+    gaps = idle_gaps(kernels, steps=2)  # largest first
+    assert gaps[0] == dict(after="adam", before="cast", ms=4.25, count=0.5)  # between the two steps
+    assert gaps[1] == dict(after="cast", before="gemm", ms=0.3, count=1.0)
+    # the copy ended last before the optimizer's gap, not the GEMM it overlapped
+    assert gaps[2] == dict(after="copy", before="adam", ms=0.1, count=1.0)
+    assert sum(g["ms"] for g in gaps) == pytest.approx(gpu_idle_ms(kernels, steps=2))
+
+
 def test_step_profile_groups_kernels_by_what_they_do():
     sys.path.insert(0, str(ROOT / "benchmarks" / "training"))
     try:
