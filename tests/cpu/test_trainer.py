@@ -252,7 +252,12 @@ def test_two_cpu_processes_under_accelerate_launch(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(root / "examples" / "configs" / "cpu_ddp_fp8.yaml"), str(root / "examples" / "trainer_fp8.py"),
            "--steps", "12", "--compare-bf16", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        # Rarely a rank aborts in gloo's threads (pytorch#190489), mid-run as well as at teardown:
+        # that one failure runs once more; any other fails here.
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stdout + proc.stderr:
+            break
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
