@@ -133,7 +133,8 @@ def run_casts(args, device) -> dict:
         "pad_groups": (lambda t, o: grouped.pad_groups(t, grouped.group_layout(o, t.shape[0])), (tokens, offs)),
         "rowwise tokens": (grouped.rowwise, (grouped.pad_groups(tokens, layout),)),
         "rowwise weight [E,N,K]": (grouped.rowwise, (we,)),
-        "input gradient's weight [E,K,N]": (lambda w: _input_grad_weight_reference(grouped, w), (we,)),
+        "input gradient's weight [E,K,N]": (lambda w: grouped.per_expert_transposed(
+            w, grouped.expert_inverse_scales(grouped.rowwise(w)[1])), (we,)),
         "groupwise_columns": (lambda t, o: grouped.groupwise_columns(
             grouped.pad_groups(t, grouped.group_layout(o, t.shape[0])), grouped.group_layout(o, t.shape[0])),
             (grads, offs)),
@@ -149,24 +150,16 @@ def run_casts(args, device) -> dict:
         guarded(out, name, one)
     if device.type == "cuda":  # the fused casts (grouped_cast, transposed_cast) against the torch ops
         padded = grouped.pad_groups(grads, layout)
+        expert_inv = grouped.expert_inverse_scales(grouped.rowwise(we)[1])
         guarded(out, "fused vs torch ops: tokens",
                 lambda: compare_casts(grouped.rowwise(padded), grouped.cast_tokens(grads, layout)))
         guarded(out, "fused vs torch ops: weight_grad_operand",
                 lambda: compare_casts(grouped.groupwise_columns(padded, layout),
                                       grouped.cast_weight_grad_operand(grads, layout)))
         guarded(out, "fused vs torch ops: weight_input_grad",
-                lambda: compare_casts(_input_grad_weight_reference(grouped, we), grouped.cast_weight_input_grad(
-                    we, grouped.rowwise(we)[1].amax(dim=-1))))
+                lambda: compare_casts(grouped.per_expert_transposed(we, expert_inv),
+                                      grouped.cast_weight_input_grad(we, expert_inv)))
     return out
-
-
-def _input_grad_weight_reference(grouped, w):
-    """The input gradient's weight cast by the torch ops (grouped_cast.expert_scaled), one scale an expert."""
-    from fp8plug.backends.native import grouped_cast
-
-    expert_inv = grouped.rowwise(w)[1].amax(dim=-1)
-    return (grouped_cast.expert_scaled(w.transpose(-2, -1), grouped_cast.reciprocal(expert_inv)),
-            expert_inv[:, None].expand(-1, w.shape[-1]).contiguous())
 
 
 def _grouped_backward_casts(grouped, grad_out, x, offs):

@@ -181,7 +181,7 @@ def per_gemm_cases(x, w, g, offs, layout, fwd_bwd_one) -> tuple:
     xp = grouped.pad_groups(x.detach(), layout)
     g8, g_inv = grouped.rowwise(gp)
     w8, w_inv = grouped.rowwise(w.detach())
-    expert_inv = w_inv.amax(dim=-1)  # what the forward hands the input gradient's weight cast
+    expert_inv = grouped.expert_inverse_scales(w_inv)  # what the forward hands the input gradient's weight cast
     w_kn8, w_kn_inv = grouped.cast_weight_input_grad(w.detach(), expert_inv)
     g_t8, g_t_inv = grouped.groupwise_columns(gp, layout)
     x_t8, x_t_inv = grouped.groupwise_columns(xp, layout)

@@ -101,31 +101,34 @@ def exposed_communication_ms(kernels: list, steps: int) -> float:
     return round(exposed / steps / 1e3, 3)
 
 
+def _gaps(kernels: list):
+    """(the kernel that ended last before it, the kernel that starts it, idle us) for each gap between
+    the first kernel and the last in which no kernel of any stream runs; `kernels`: (name, start_us,
+    end_us)."""
+    last_name, last_end = None, None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if last_end is not None and start > last_end:
+            yield last_name, name, start - last_end
+        if last_end is None or end >= last_end:
+            last_name, last_end = name, end
+
+
 def gpu_idle_ms(kernels: list, steps: int) -> float:
     """GPU milliseconds per step, between the first kernel and the last, in which no kernel of any
     stream runs: time lost to the host (launches, Python) or to waiting on another rank's host."""
-    busy = _merged([(s, e) for _, s, e in kernels])
-    if not busy:
-        return 0.0
-    idle = (busy[-1][1] - busy[0][0]) - sum(end - start for start, end in busy)
-    return round(idle / steps / 1e3, 3)
+    return round(sum(idle for _, _, idle in _gaps(kernels)) / steps / 1e3, 3)
 
 
 def idle_gaps(kernels: list, steps: int, top: int = 8, name_chars: int = 60) -> list:
-    """Where the idle time of `gpu_idle_ms` falls: each gap in which no kernel runs, keyed by the
-    kernel that ran last before it and the one that ran first after it (the host caught up there),
-    summed over the profile, the `top` by time: per step {after, before, ms, count}. A gap before
-    the same kernel every step points at one place in the code (a host read, a slow launch)."""
-    ordered = sorted(kernels, key=lambda k: k[1])
+    """Where the idle time of `gpu_idle_ms` falls: its gaps keyed by the kernel that ran last before
+    each and the one that ran first after it (the host caught up there), summed over the profile,
+    the `top` by time: per step {after, before, ms, count}. A gap before the same kernel every step
+    points at one place in the code (a host read, a slow launch)."""
     gaps: dict = {}
-    last_name, last_end = None, None
-    for name, start, end in ordered:
-        if last_end is not None and start > last_end:
-            key = (last_name[:name_chars], name[:name_chars])
-            total, count = gaps.get(key, (0.0, 0))
-            gaps[key] = (total + start - last_end, count + 1)
-        if last_end is None or end >= last_end:
-            last_name, last_end = name, end
+    for after, before, idle in _gaps(kernels):
+        key = (after[:name_chars], before[:name_chars])
+        total, count = gaps.get(key, (0.0, 0))
+        gaps[key] = (total + idle, count + 1)
     ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
     return [dict(after=after, before=before, ms=round(total / steps / 1e3, 3), count=round(count / steps, 1))
             for (after, before), (total, count) in ranked]

@@ -11,7 +11,7 @@ import torch
 import fp8plug
 from fp8plug import FP8RecipeKwargs
 from fp8plug.backends import get_backend
-from fp8plug.backends.native import dense_experts, grouped, grouped_cast
+from fp8plug.backends.native import dense_experts, grouped
 from fp8plug.hf.experts import FP8PLUG_EXPERTS, experts_modules
 from fp8plug.layers.gemm_counts import EXPERT_COUNTS, settle_all
 from tests.support.hf import fresh
@@ -93,9 +93,9 @@ def test_grouped_gemm_gradients_in_fp8_against_float():
     assert gw[1].abs().sum() == 0  # the expert no token reached gets no gradient
     # the input gradient is exactly the FP8 GEMM of the quantized operands (the gradient rowwise over
     # N, the weight one scale an expert, the largest of its forward row scales)
-    expert_inv = grouped.rowwise(w.detach())[1].amax(dim=-1)
-    w_kn = grouped_cast.expert_scaled(w.detach().transpose(-2, -1), grouped_cast.reciprocal(expert_inv)).float()
-    exact = _per_expert(_quantized(grad), w_kn * expert_inv[:, None, None], GROUP_SIZES, lambda a, b: a @ b.t())
+    expert_inv = grouped.expert_inverse_scales(grouped.rowwise(w.detach())[1])
+    w_kn, w_kn_inv = grouped.per_expert_transposed(w.detach(), expert_inv)
+    exact = _per_expert(_quantized(grad), w_kn.float() * w_kn_inv[..., None], GROUP_SIZES, lambda a, b: a @ b.t())
     torch.testing.assert_close(gx, exact, rtol=1e-6, atol=1e-5)
 
 

@@ -80,7 +80,7 @@ def test_the_dense_gemms_per_expert_are_the_grouped_kernels():
     x8, x_inv = grouped.rowwise(grouped.pad_groups(x, layout))
     g8, g_inv = grouped.rowwise(grouped.pad_groups(g, layout))
     w8, w_inv = grouped.rowwise(w)
-    w_kn8, w_kn_inv = grouped.cast_weight_input_grad(w, w_inv.amax(dim=-1))
+    w_kn8, w_kn_inv = grouped.cast_weight_input_grad(w, grouped.expert_inverse_scales(w_inv))
     g_t8, g_t_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
     x_t8, x_t_inv = grouped.groupwise_columns(grouped.pad_groups(x, layout), layout)
     cases, facts = grouped_gemm.dense_cases({"fwd": (x8, w8.transpose(-2, -1), x_inv, w_inv),

@@ -44,7 +44,7 @@ def _weight():
 
 def expert_scale(w):
     """The input gradient's weight scale, one an expert: from the forward's row inverse scales."""
-    return grouped_cast.reciprocal(grouped.rowwise(w)[1].amax(dim=-1))
+    return grouped_cast.reciprocal(grouped.expert_inverse_scales(grouped.rowwise(w)[1]))
 
 
 def test_weight_casts_both_directions_are_bit_identical():
@@ -92,7 +92,7 @@ def test_one_scale_an_expert_keeps_the_input_gradients_precision(spread):
     w = torch.randn(4, 256, 512, dtype=torch.float64) * 0.02 * torch.logspace(-spread / 2, spread / 2, 512,
                                                                                dtype=torch.float64)
     grad = torch.randn(300, 256, dtype=torch.float64)
-    expert_inv = grouped.rowwise(w.float())[1].amax(dim=-1)
+    expert_inv = grouped.expert_inverse_scales(grouped.rowwise(w.float())[1])
     per_expert, inv = grouped.cast_weight_input_grad(w.float(), expert_inv)
     assert per_expert.shape == (4, 512, 256) and inv.shape == (4, 512)
     per_column, column_inv = grouped.rowwise(w.float().transpose(-2, -1))

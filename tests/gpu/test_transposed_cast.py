@@ -9,7 +9,7 @@ FP8 weight's transposed copy."""
 import pytest
 import torch
 
-from fp8plug.backends.native import granular, grouped, grouped_cast, tile_cast, transposed_cast
+from fp8plug.backends.native import granular, grouped, tile_cast, transposed_cast
 from fp8plug.backends.native.scaling import quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -74,10 +74,8 @@ def test_grouped_casts_through_the_layout_write_the_padded_bytes(dtype):
 def test_the_input_gradient_weight_cast_writes_the_torch_bytes(dtype):
     torch.manual_seed(2)
     w = (torch.randn(8, 1024, 384, device="cuda") * torch.logspace(-3, 1, 384, device="cuda")).to(dtype)
-    expert_inv = grouped.rowwise(w)[1].amax(dim=-1)
-    scale = grouped_cast.reciprocal(expert_inv)
-    same(grouped.cast_weight_input_grad(w, expert_inv),
-         (grouped_cast.expert_scaled(w.transpose(-2, -1), scale), expert_inv[:, None].expand(-1, 384).contiguous()))
+    expert_inv = grouped.expert_inverse_scales(grouped.rowwise(w)[1])
+    same(grouped.cast_weight_input_grad(w, expert_inv), grouped.per_expert_transposed(w, expert_inv))
 
 
 def test_the_amax_pass_reduces_every_segment():

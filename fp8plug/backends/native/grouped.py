@@ -120,16 +120,33 @@ def cast_weight_input_grad(w_nk: torch.Tensor, expert_inv: torch.Tensor) -> Tupl
     that lose no precision to a shared scale: with columns spread over 10^4 the input gradient is
     within 0.2 dB of per-column scaling against float64 (tests/cpu/test_moe_casts.py).
     TransformerEngine's grouped Linear scales each expert weight per tensor too. Fused:
-    transposed_cast's transposed write with that scale."""
+    transposed_cast's transposed write with that scale; else `per_expert_transposed`."""
+    if not _fused(w_nk):
+        return per_expert_transposed(w_nk, expert_inv)
     scale = grouped_cast.reciprocal(expert_inv)
-    inv = expert_inv[:, None].expand(-1, w_nk.shape[-1]).contiguous()
-    if _fused(w_nk) and w_nk.stride(-1) == 1:
+    if w_nk.stride(-1) == 1:
         columns = scale.view(-1, 1, 1).expand(-1, 1, w_nk.shape[-1])
-        return transposed_cast.cast_transposed(w_nk, columns, transposed_cast.ALL_ROWS), inv
-    w_kn = w_nk.transpose(-2, -1)
-    if _fused(w_kn):
-        return grouped_cast.weight_input_grad(w_kn, scale), inv
-    return grouped_cast.expert_scaled(w_kn, scale), inv
+        data = transposed_cast.cast_transposed(w_nk, columns, transposed_cast.ALL_ROWS)
+    else:  # stored [E, K, N] (GPT-OSS): contiguous already
+        data = grouped_cast.weight_input_grad(w_nk.transpose(-2, -1), scale)
+    return data, _per_column(expert_inv, w_nk.shape[-1])
+
+
+def expert_inverse_scales(w_inv: torch.Tensor) -> torch.Tensor:
+    """The input gradient's weight inverse scale, one an expert [E]: the largest of the forward's
+    row inverse scales w_inv [E, N] (the expert's amax over 448)."""
+    return w_inv.amax(dim=-1)
+
+
+def per_expert_transposed(w_nk: torch.Tensor, expert_inv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`cast_weight_input_grad` by torch ops (the CPU emulation, and the fused casts' reference)."""
+    data = grouped_cast.expert_scaled(w_nk.transpose(-2, -1), grouped_cast.reciprocal(expert_inv))
+    return data, _per_column(expert_inv, w_nk.shape[-1])
+
+
+def _per_column(expert_inv: torch.Tensor, columns: int) -> torch.Tensor:
+    """Each expert's inverse scale for each of its `columns` [E, columns]: the kernel's layout."""
+    return expert_inv[:, None].expand(-1, columns).contiguous()
 
 
 def cast_tokens(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +253,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transpos
     w_fp8, w_inv = cast_weight_forward(w_nk)
     out_dtype = x.dtype if emulates(x.device) else torch.bfloat16
     out = _tokens_gemm(x_fp8, w_fp8.transpose(-2, -1), x_inv, w_inv, layout, dense, out_dtype, True)
-    return out.to(result_dtype), w_inv.amax(dim=-1)
+    return out.to(result_dtype), expert_inverse_scales(w_inv)
 
 
 def _backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
