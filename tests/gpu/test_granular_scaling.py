@@ -50,15 +50,20 @@ def test_the_gpu_gemms_match_the_emulation_and_fp32(word, shape):
         assert sqnr_db(gpu, exact) > 25, sqnr_db(gpu, exact)
 
 
-def test_blockwise_scale_layouts_reach_torch_unchanged():
-    """1x128 x 128x128 (forward, dgrad) and 1x128 x 1x128 (wgrad), K not a multiple of 512 (the
-    128x128 scales' K blocks padded to a multiple of 4): bf16 output against the emulation."""
+@pytest.mark.parametrize("k", [640, 512])
+@pytest.mark.parametrize("cast", ["eager kernels", "torch ops"])
+def test_blockwise_scale_layouts_reach_torch_unchanged(k, cast):
+    """1x128 x 128x128 (forward, dgrad) and 1x128 x 1x128 (wgrad), K a multiple of 512 or not (the
+    128x128 scales' K blocks padded to a multiple of 4 where not): bf16 output against the
+    emulation. Both casts store 1x128 inverse scales column-major, the layout the GEMM takes."""
     needs("blockwise")
     torch.manual_seed(1)
-    a, b = torch.randn(256, 640, device="cuda"), torch.randn(384, 640, device="cuda")
+    a, b = torch.randn(256, k, device="cuda"), torch.randn(384, k, device="cuda")
+    cast_tiles = granular.cast_tiles if cast == "eager kernels" else granular._cast_tiles
     for kb in (granular.SQUARE, granular.TILE):
-        qa, sa = granular.cast_tiles(a, granular.TILE, False)
-        qb, sb = granular.cast_tiles(b, kb, False)
+        qa, sa = cast_tiles(a, granular.TILE, False)
+        qb, sb = cast_tiles(b, kb, False)
+        assert sa.stride() == (1, sa.shape[0]), sa.stride()
         gpu = granular.granular_mm(qa, sa, granular.TILE, qb, sb, kb, torch.bfloat16).float().cpu()
         cpu = granular.granular_mm(qa.cpu(), sa.cpu(), granular.TILE, qb.cpu(), sb.cpu(), kb, torch.float32)
         assert sqnr_db(gpu, cpu) > 40, (kb, sqnr_db(gpu, cpu))

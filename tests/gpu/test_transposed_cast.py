@@ -29,7 +29,7 @@ def same(mine, reference):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind,power_of_two", [(granular.ROW, True), (granular.TILE, False)])
-@pytest.mark.parametrize("rows,cols", [(8192, 1024), (300, 192)])
+@pytest.mark.parametrize("rows,cols", [(8192, 1024), (300, 192), (131, 200)])
 def test_granular_transposed_casts_write_the_torch_bytes(dtype, kind, power_of_two, rows, cols):
     torch.manual_seed(0)
     x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-4, 3, cols, device="cuda")).to(dtype)
@@ -37,6 +37,24 @@ def test_granular_transposed_casts_write_the_torch_bytes(dtype, kind, power_of_t
     assert granular._columns_of(x.t(), kind)
     same(granular._cast_columns(x, kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
     same(granular.cast_tiles(x.t(), kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
+
+
+def test_scales_next_to_powers_of_two_are_the_torch_ones():
+    """The kernels work the scale out themselves (transposed_cast's tile_scale); where rounding
+    decides which power of two a scale floors to, amaxes a few ulps either side of 448 / 2**k, they
+    give granular.tile_scale's torch bytes, as do an amax of zero and one past the largest scale."""
+    k = torch.arange(-20, 21, device="cuda", dtype=torch.float32)
+    ulps = torch.arange(-4, 5, device="cuda", dtype=torch.int32)
+    amax = ((448.0 * torch.exp2(-k))[:, None].view(torch.int32) + ulps).view(torch.float32).reshape(1, -1)
+    amax = torch.cat([amax, torch.tensor([[0.0, 2e-37, 1e-30, 3e38]], device="cuda")], dim=1)
+    x = torch.cat([amax, -0.5 * amax, torch.zeros_like(amax)])  # each column's amax is its first row
+    for power_of_two, kind in [(True, granular.ROW), (False, granular.ROW), (True, granular.TILE),
+                               (False, granular.TILE)]:
+        same(granular._cast_columns(x, kind, power_of_two), granular._cast_tiles(x.t(), kind, power_of_two))
+    for power_of_two in (True, False):
+        rows = x.t().contiguous()
+        same(granular.cast_tiles(rows, granular.ROW, power_of_two),
+             granular._cast_tiles(rows, granular.ROW, power_of_two))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

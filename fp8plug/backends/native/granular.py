@@ -53,10 +53,10 @@ GEMMS = {
 
 
 # Compiled, a transposed operand of fewer elements stays traced torch ops rather than the
-# `_cast_columns` operator: the operator's host time (a Python operator, two Triton launches and
-# the scale's torch ops, a few hundred microseconds) is hidden behind a large layer's GPU work but
-# not a small one's. With the operator on every transposed operand the 162M model of
-# benchmarks/training/real_text.py (hidden 768, 4096 tokens) trained rowwise at 25k tok/s on an H200.
+# `_cast_columns` operator: the operator's host time (a Python operator and its Triton launches)
+# is hidden behind a large layer's GPU work but not a small one's. With the operator on every
+# transposed operand the 162M model of benchmarks/training/real_text.py (hidden 768, 4096 tokens)
+# trained rowwise at 25k tok/s on an H200.
 COLUMNS_OPERATOR_MIN_ELEMENTS = 1 << 24
 
 
@@ -133,8 +133,7 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
     if _columns_of(t, kind):
         return _cast_columns(t.detach().t(), kind, power_of_two)
     if tile_cast.usable(t):
-        t_fp8, scale = tile_cast.cast(t.detach(), _tile(kind, *t.shape), lambda amax: tile_scale(amax, power_of_two))
-        return t_fp8, scale.reciprocal()
+        return tile_cast.cast(t.detach(), _tile(kind, *t.shape), power_of_two, columns_major=kind == TILE)
     return _cast_tiles(t, kind, power_of_two)
 
 
@@ -161,15 +160,13 @@ def _columns_of(t: torch.Tensor, kind: str) -> bool:
 @torch.library.custom_op("fp8plug::cast_columns", mutates_args=())
 def _cast_columns(source: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """cast_tiles(source.t(), kind, power_of_two) for a row-major `source` [R, C] on CUDA: the
-    column amaxes (one Triton pass), the scales from them by the torch ops _cast_tiles uses (the
-    same values), the cast written transposed (a second pass). One operator, so that the layers
+    column amaxes (one Triton pass), then the cast written transposed with tile_scale's scales
+    worked out in its kernel (a second pass; the same values). One operator, so that the layers
     sharing an input (q, k and v) share its cast in a compiled graph."""
-    rows = source.shape[0]
-    segments, count = ((transposed_cast.ALL_ROWS, 1) if kind == ROW
-                       else (transposed_cast.TILES_128, -(-rows // BLOCK)))
-    data, scale = transposed_cast.cast_columns(source, lambda amax: tile_scale(amax, power_of_two), segments, count)
+    segments = transposed_cast.ALL_ROWS if kind == ROW else transposed_cast.TILES_128
+    data, inv = transposed_cast.tile_scaled_columns(source, power_of_two, segments)
     # [C, count] outer-dimension-major: the layout the blockwise GEMM takes its 1x128 scales in
-    return data, scale[0].reciprocal().t()
+    return data, inv[0].t()
 
 
 @_cast_columns.register_fake
@@ -188,12 +185,23 @@ def _cpu_cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[tor
 def _(t, kind, power_of_two):
     rows, cols = t.shape
     r, c = _tile(kind, rows, cols)
-    return t.new_empty((rows, cols), dtype=E4M3), t.new_empty((-(-rows // r), -(-cols // c)), dtype=torch.float32)
+    return t.new_empty((rows, cols), dtype=E4M3), _gemm_layout(t.new_empty((-(-rows // r), -(-cols // c)),
+                                                                           dtype=torch.float32), kind)
+
+
+def _gemm_layout(inv: torch.Tensor, kind: str) -> torch.Tensor:
+    """Inverse scales [tile rows, tile columns] stored as the GEMM reads them, so that it copies
+    nothing: 1x128 tiles' column-major (torch's blockwise GEMM takes them outer-dimension-major;
+    made in the cast, a traced layout is part of the kernel that computes them, where a copy at
+    the GEMM was a launch of its own), every other kind's row-major."""
+    return inv.t().contiguous().t() if kind == TILE else inv.contiguous()
 
 
 def tile_scale(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
     """Each tile's scale from its amax: E4M3's max over it (scaling.scale_from_amax), floored to a
-    power of two where `power_of_two`."""
+    power of two where `power_of_two`. The CUDA casts work the same rule out inside their kernels
+    (transposed_cast's `tile_scale`, in these float32 steps); tests/gpu/test_transposed_cast.py
+    holds them to these bytes, next to powers of two too."""
     scale = scale_from_amax(amax, FP8_MAX[E4M3])
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
 
@@ -211,7 +219,7 @@ def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.T
         t_fp8 = t_fp8[:rows, :cols]
     # row-major whatever t's layout (a transposed input's view keeps its strides through the
     # element-wise ops): the GEMM reads each operand K-contiguous
-    return t_fp8.contiguous(), scale.reciprocal().contiguous()
+    return t_fp8.contiguous(), _gemm_layout(scale.reciprocal(), kind)
 
 
 def dequantize(t_fp8: torch.Tensor, inv: torch.Tensor, kind: str) -> torch.Tensor:
@@ -244,11 +252,13 @@ def _blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     2.11 cannot trace `torch._scaled_mm_v2`, which F.scaled_mm calls."""
     kinds = F.ScalingType
     a, b = a.contiguous(), b.contiguous()  # row-major whatever strides the compiler gave (a no-op eagerly)
-    sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major
+    sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major (as the casts make it: no copy)
     if b_square:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
         nb, kb = b_inv.shape
-        sb = b_inv.new_ones(nb, -(-kb // 4) * 4)
-        sb[:, :kb] = b_inv
+        sb = b_inv.contiguous()
+        if kb % 4:
+            sb = b_inv.new_ones(nb, -(-kb // 4) * 4)
+            sb[:, :kb] = b_inv
         sb, recipe_b = sb.t(), kinds.BlockWise128x128
     else:
         sb, recipe_b = b_inv.t().contiguous().t(), kinds.BlockWise1x128

@@ -1,4 +1,4 @@
-"""FP8 casts that scale along a tensor's rows and write it transposed, on CUDA, in two passes.
+"""FP8 casts that scale along a tensor's rows and write it transposed, on CUDA, in one or two passes.
 
 Why: a GEMM's operand is scaled along that GEMM's reduction dimension and read with it contiguous.
 The weight gradient reduces over the tokens, so the input and the output gradient [tokens, C] are
@@ -14,11 +14,12 @@ Here: pass one walks the tensor in row tiles, a program down a band of columns, 
 elementwise maximum of its tiles and reduces it across rows once, into one atomic max a column
 and segment (reduced per tile, through shared memory, the pass read a Mixtral gradient at a
 sixth of the bandwidth: 1.13 ms against 0.43 now, 0.20 for its bytes; docs/moe.md); the scales
-are then worked out from the amaxes by the caller's own torch ops (so they are the bytes the
-torch path gives); pass two reads the tensor again, scales, casts, and writes the tile
-transposed. Rows can be gathered on the way (`source`: a padded token layout's row map, -1 for
-a zero row), so the grouped GEMM's padding costs no copy of its own; a leading batch dimension
-(an experts weight [E, N, K]) is one more grid axis.
+are then worked out from the amaxes, by the caller's own torch ops or, for the granular layers'
+rule (`tile_scale`), in pass two itself; pass two reads the tensor again, scales, casts, and
+writes the tile transposed. Rows can be gathered on the way (`source`: a padded token layout's
+row map, -1 for a zero row), so the grouped GEMM's padding costs no copy of its own; a leading
+batch dimension (an experts weight [E, N, K]) is one more grid axis. Blockwise's 128-row
+segments take one pass (`segment_cast_transposed`): a program holds a whole segment.
 
 `rows_cast` is the grouped GEMM's token cast with that gather: one scale per row, written as is.
 
@@ -33,15 +34,17 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from fp8plug.backends.native.scaling import E4M3, FP8_MAX, SCALE_MAX
+
 ALL_ROWS, TILES_128, GROUPS = 0, 1, 2
 SEGMENT_ROWS = 128  # TILES_128's rows per segment
 GROUP_ROWS = 16  # GROUPS: every group starts at a multiple of this many rows
-E4M3 = torch.float8_e4m3fn
 # Tiles: (rows, columns, warps) of the amax pass and of the cast; the cast's rows divide
 # SEGMENT_ROWS, so a tile of it lies in one 128-row segment.
 AMAX_TILE = (64, 128, 4)
 AMAX_ROWS_PER_PROGRAM = 512  # rows one amax program walks (ALL_ROWS, GROUPS); TILES_128: one segment
 CAST_TILE = (64, 128, 4)
+SEGMENT_CAST_TILE = (64, 4)  # columns and warps of the one-pass TILES_128 cast (a program: 128 rows)
 ROWS_TILE = (8, 512, 4)
 TRANSPOSE_TILE = (64, 128, 4)  # rows, columns, warps of transposed()
 
@@ -77,6 +80,22 @@ def _kernels():
 def _build():
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def tile_scale(amax, FP8_LIMIT: tl.constexpr, MAX_SCALE: tl.constexpr, POWER_OF_TWO: tl.constexpr):
+        """granular.tile_scale in its float32 steps, so the bytes are its torch ops': E4M3's max
+        over the amax (torch's reciprocal, then the product), at most MAX_SCALE, 1 where the amax
+        is 0 or not finite; floored to a power of two by libdevice's log2, floor and exp2, the
+        functions torch's own CUDA kernels call. Worked out here rather than by those torch ops
+        between the passes: they were a dozen launches a cast, and a compiled rowwise step of the
+        benchmark Llama issued 1,237 kernels (565 without them) and ran 1.36x bf16 (1.38x without;
+        one H200, docs/performance.md)."""
+        scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_LIMIT, MAX_SCALE)
+        scale = tl.where((amax > 0) & (amax < float("inf")), scale, 1.0)
+        if POWER_OF_TWO:
+            scale = libdevice.exp2(libdevice.floor(libdevice.log2(scale)))
+        return scale
 
     @triton.jit
     def read_rows(src_ptr, rows, n_rows, GATHER: tl.constexpr):
@@ -99,6 +118,21 @@ def _build():
         """|tile| in float32, NaN read as inf (so a column holding one gets an inf amax)."""
         a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER).to(tl.float32))
         return tl.where(a != a, float("inf"), a)
+
+    @triton.jit
+    def quantize(x, s, FP8_LIMIT: tl.constexpr):
+        """x * s in e4m3: finite values saturated, inf and NaN made NaN (scaling.quantize's rule)."""
+        scaled = x.to(tl.float32) * s
+        finite = (scaled == scaled) & (tl.abs(scaled) < float("inf"))
+        return tl.where(finite, tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT), float("nan")).to(tl.float8e4nv)
+
+    @triton.jit
+    def store_transposed(y_ptr, y, rows, cols, n_rows, n_cols):
+        """y [rows, cols] of e4m3 written at y_ptr [C, R] transposed, in registers as 16-bit lanes
+        (backends.native.fused_cast transposes 16-bit tiles)."""
+        y_t = tl.trans(y.to(tl.uint8, bitcast=True).to(tl.uint16)).to(tl.uint8)
+        tl.store(y_ptr + cols[:, None] * n_rows + rows[None, :], y_t,
+                 mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows))
 
     @triton.jit
     def column_amax(x_ptr, src_ptr, seg_ptr, amax_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
@@ -145,32 +179,55 @@ def _build():
             tl.atomic_max(out + current * n_cols, running, mask=cols < n_cols)
 
     @triton.jit
-    def cast_transposed(x_ptr, src_ptr, seg_ptr, scale_ptr, y_ptr, n_rows, n_cols, x_batch, x_row, n_segments,
-                        FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, SEGMENTS: tl.constexpr,
+    def cast_transposed(x_ptr, src_ptr, seg_ptr, scale_ptr, inv_ptr, y_ptr, n_rows, n_cols, x_batch, x_row,
+                        n_segments, FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, SEGMENTS: tl.constexpr,
+                        FROM_AMAX: tl.constexpr, MAX_SCALE: tl.constexpr, POWER_OF_TWO: tl.constexpr,
                         BR: tl.constexpr, BC: tl.constexpr):
         """y[b, c, r] = fp8(x[b, r, c] * scale[b, segment(r), c]): finite values saturated, inf and
-        NaN made NaN (scaling.quantize's rule)."""
+        NaN made NaN (scaling.quantize's rule). FROM_AMAX (ALL_ROWS, TILES_128): `scale_ptr` holds
+        the amaxes, the scale is tile_scale's, and the first program of each segment writes the
+        inverse scales to `inv_ptr`."""
         pr, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         in_cols = cols[None, :] < n_cols
         x = load_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
         scales = scale_ptr + b * n_segments * n_cols
-        if SEGMENTS == 0:
-            s = tl.load(scales + cols, mask=cols < n_cols, other=1.0)[None, :]
-        elif SEGMENTS == 1:
-            s = tl.load(scales + ((pr * BR) // 128) * n_cols + cols, mask=cols < n_cols, other=1.0)[None, :]
+        if SEGMENTS < 2:
+            if SEGMENTS == 1:  # this program's 128-row segment, and whether the program is its first
+                offset = ((pr * BR) // 128).to(tl.int64) * n_cols + cols
+                starts = (pr * BR) % 128 == 0
+            else:
+                offset = cols
+                starts = pr == 0
+            s = tl.load(scales + offset, mask=cols < n_cols, other=1.0)
+            if FROM_AMAX:
+                s = tile_scale(s, FP8_LIMIT, MAX_SCALE, POWER_OF_TWO)
+                if starts:
+                    tl.store(inv_ptr + b * n_segments * n_cols + offset,
+                             tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), s), mask=cols < n_cols)
+            s = s[None, :]
         else:
             seg = tl.load(seg_ptr + rows, mask=rows < n_rows, other=0).to(tl.int64)
             s = tl.load(scales + seg[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & in_cols,
                         other=1.0)
-        scaled = x.to(tl.float32) * s
-        finite = (scaled == scaled) & (tl.abs(scaled) < float("inf"))
-        y = tl.where(finite, tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT), float("nan")).to(tl.float8e4nv)
-        # transposed in registers as 16-bit lanes (backends.native.fused_cast transposes 16-bit tiles)
-        y_t = tl.trans(y.to(tl.uint8, bitcast=True).to(tl.uint16)).to(tl.uint8)
-        out = y_ptr + b * n_cols * n_rows + cols[:, None] * n_rows + rows[None, :]
-        tl.store(out, y_t, mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows))
+        store_transposed(y_ptr + b * n_cols * n_rows, quantize(x, s, FP8_LIMIT), rows, cols, n_rows, n_cols)
+
+    @triton.jit
+    def segment_cast_transposed(x_ptr, inv_ptr, y_ptr, n_rows, n_cols, x_row, FP8_LIMIT: tl.constexpr,
+                                MAX_SCALE: tl.constexpr, POWER_OF_TWO: tl.constexpr, BC: tl.constexpr):
+        """TILES_128 in one pass, scales tile_scale's: a program holds one 128-row segment of BC
+        columns, so it finds their amaxes (NaN read as inf) in registers, writes the inverse
+        scales, and casts the tile it already holds: no amax pass, no second read."""
+        pr, pc = tl.program_id(0), tl.program_id(1)
+        rows = pr.to(tl.int64) * 128 + tl.arange(0, 128)
+        cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
+        x = load_tile(x_ptr, x_ptr, rows, cols, n_rows, n_cols, x_row, False)
+        a = tl.abs(x.to(tl.float32))
+        s = tile_scale(tl.max(tl.where(a != a, float("inf"), a), axis=0), FP8_LIMIT, MAX_SCALE, POWER_OF_TWO)
+        tl.store(inv_ptr + pr.to(tl.int64) * n_cols + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), s),
+                 mask=cols < n_cols)
+        store_transposed(y_ptr, quantize(x, s[None, :], FP8_LIMIT), rows, cols, n_rows, n_cols)
 
     @triton.jit
     def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
@@ -208,7 +265,8 @@ def _build():
                  mask=(cols[:, None] < n_cols) & (rows[None, :] < n_rows))
 
     return dict(triton=triton, column_amax=column_amax, cast_transposed=cast_transposed, rows_cast=rows_cast,
-                transpose_bytes=transpose_bytes)
+                transpose_bytes=transpose_bytes, tile_scale=tile_scale, quantize=quantize,
+                segment_cast_transposed=segment_cast_transposed)
 
 
 def _as_batched(t: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
@@ -245,19 +303,29 @@ def cast_transposed(t: torch.Tensor, scale: torch.Tensor, segments: int, source:
     """e4m3 [C, R] (or [batch, C, R]), contiguous: `t` [R, C] (or [batch, R, C]) times `scale`
     [batch, n_segments, C] of each row's segment, saturated, non-finite values NaN, transposed.
     `source`, `segment`, `n_rows` as in column_amax."""
+    return _cast_transposed(t, scale.contiguous(), None, segments, source, segment, n_rows)
+
+
+def _cast_transposed(t, scale, power_of_two, segments, source=None, segment=None, n_rows=None):
+    """cast_transposed's launch; with `power_of_two` a bool, `scale` holds the amaxes, the scales
+    are tile_scale's, worked out in the kernel, and the inverse scales are returned too."""
     k = _kernels()
     squeeze = t.dim() == 2
     t, batch, x_batch, x_row = _as_batched(t)
     rows = n_rows if n_rows is not None else t.shape[-2]
     cols = t.shape[-1]
     y = torch.empty((batch, cols, rows), device=t.device, dtype=E4M3)
+    from_amax = power_of_two is not None
+    inv = torch.empty_like(scale) if from_amax else scale
     br, bc, warps = CAST_TILE
     grid = (k["triton"].cdiv(rows, br), k["triton"].cdiv(cols, bc), batch)
     k["cast_transposed"][grid](t, source if source is not None else t, segment if segment is not None else t,
-                               scale.contiguous(), y.view(torch.uint8), rows, cols, x_batch, x_row, scale.shape[-2],
-                               FP8_LIMIT=float(torch.finfo(E4M3).max), GATHER=source is not None, SEGMENTS=segments,
+                               scale, inv, y.view(torch.uint8), rows, cols, x_batch, x_row, scale.shape[-2],
+                               FP8_LIMIT=FP8_MAX[E4M3], GATHER=source is not None, SEGMENTS=segments,
+                               FROM_AMAX=from_amax, MAX_SCALE=SCALE_MAX, POWER_OF_TWO=bool(power_of_two),
                                BR=br, BC=bc, num_warps=warps)
-    return y[0] if squeeze else y
+    y = y[0] if squeeze else y
+    return (y, inv) if from_amax else y
 
 
 def cast_columns(t: torch.Tensor, scale_of: Callable[[torch.Tensor], torch.Tensor], segments: int, n_segments: int,
@@ -269,6 +337,26 @@ def cast_columns(t: torch.Tensor, scale_of: Callable[[torch.Tensor], torch.Tenso
     path's. `source`, `segment`, `n_rows` as in column_amax."""
     scale = scale_of(column_amax(t, segments, n_segments, source, segment, n_rows))
     return cast_transposed(t, scale, segments, source, segment, n_rows), scale
+
+
+def tile_scaled_columns(t: torch.Tensor, power_of_two: bool, segments: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both passes with granular.tile_scale's scales, worked out in the cast kernel: (`t` [R, C]
+    cast per column (ALL_ROWS) or per column and 128 rows (TILES_128) and written transposed; the
+    float32 inverse scales [1, n_segments, C])."""
+    if segments == ALL_ROWS:
+        return _cast_transposed(t, column_amax(t, segments, 1), power_of_two, segments)
+    if segments != TILES_128:
+        raise ValueError(f"tile_scaled_columns: segments must be ALL_ROWS or TILES_128, not {segments}")
+    k = _kernels()
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    rows, cols = t.shape
+    y = torch.empty((cols, rows), device=t.device, dtype=E4M3)
+    inv = torch.empty((1, -(-rows // SEGMENT_ROWS), cols), device=t.device, dtype=torch.float32)
+    bc, warps = SEGMENT_CAST_TILE
+    k["segment_cast_transposed"][(k["triton"].cdiv(rows, SEGMENT_ROWS), k["triton"].cdiv(cols, bc))](
+        t, inv, y.view(torch.uint8), rows, cols, t.stride(0), FP8_LIMIT=FP8_MAX[E4M3], MAX_SCALE=SCALE_MAX,
+        POWER_OF_TWO=power_of_two, BC=bc, num_warps=warps)
+    return y, inv
 
 
 def rows_cast(t: torch.Tensor, amax_floor: float, source: torch.Tensor,
@@ -284,7 +372,7 @@ def rows_cast(t: torch.Tensor, amax_floor: float, source: torch.Tensor,
     inv = torch.empty((rows,), device=t.device, dtype=torch.float32)
     br, bc, warps = ROWS_TILE
     k["rows_cast"][(k["triton"].cdiv(rows, br),)](
-        t, source, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor, FP8_LIMIT=float(torch.finfo(E4M3).max),
+        t, source, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor, FP8_LIMIT=FP8_MAX[E4M3],
         BR=br, BC=bc, num_warps=warps)
     return y, inv
 
@@ -304,4 +392,4 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ALL_ROWS", "GROUPS", "TILES_128", "cast_columns", "cast_transposed", "column_amax", "load", "rows_cast",
-           "transposed", "usable"]
+           "tile_scaled_columns", "transposed", "usable"]
