@@ -296,6 +296,14 @@ def test_rescale_layer_moves_one_layer_to_a_finer_scaling_or_to_bf16_keeping_par
     fp8plug.sync_fp8_scaling(model)  # the end of a step still runs for the delayed layer left
 
 
+@pytest.mark.parametrize("kind", [granular.ROW, granular.TILE, granular.SQUARE, granular.TENSOR])
+def test_the_cpu_cast_operator_gives_what_its_fake_says(kind):
+    """torch.library.opcheck: the operator's outputs have the shapes, dtypes and strides its fake
+    gives a compiled graph (which asserts them when it runs, from inductor's cache too), and it
+    traces under AOT autograd."""
+    torch.library.opcheck(granular._cpu_cast_tiles, (torch.randn(130, 260), kind, True))
+
+
 def test_a_compiled_blockwise_layer_matches_eager_on_the_cpu():
     """torch.compile(fullgraph=True) of a granular layer: the same outputs and gradients, bit for
     bit (the CPU casts and GEMMs are operators the compiler calls as they are)."""

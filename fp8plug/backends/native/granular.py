@@ -178,15 +178,19 @@ def _(source, kind, power_of_two):
 
 @torch.library.custom_op("fp8plug::cpu_cast_tiles", mutates_args=())
 def _cpu_cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _cast_tiles(t, kind, power_of_two)
+    """_cast_tiles with both results row-major: the emulation reads any layout, and an operator's
+    output layout is a contract with the graphs inductor caches, which it keys on the operator's
+    name, not on its fake (a cached graph asserts the strides it was compiled with); changing it
+    needs a new name."""
+    data, inv = _cast_tiles(t, kind, power_of_two)
+    return data, inv.contiguous()
 
 
 @_cpu_cast_tiles.register_fake
 def _(t, kind, power_of_two):
     rows, cols = t.shape
     r, c = _tile(kind, rows, cols)
-    return t.new_empty((rows, cols), dtype=E4M3), _gemm_layout(t.new_empty((-(-rows // r), -(-cols // c)),
-                                                                           dtype=torch.float32), kind)
+    return t.new_empty((rows, cols), dtype=E4M3), t.new_empty((-(-rows // r), -(-cols // c)), dtype=torch.float32)
 
 
 def _gemm_layout(inv: torch.Tensor, kind: str) -> torch.Tensor:
