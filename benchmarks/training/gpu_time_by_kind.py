@@ -122,8 +122,9 @@ def gpu_idle_ms(kernels: list, steps: int) -> float:
 def idle_gaps(kernels: list, steps: int, top: int = 8, name_chars: int = 60) -> list:
     """Where the idle time of `gpu_idle_ms` falls: its gaps keyed by the kernel that ran last before
     each and the one that ran first after it (the host caught up there), summed over the profile,
-    the `top` by time: per step {after, before, ms, count}. A gap before the same kernel every step
-    points at one place in the code (a host read, a slow launch)."""
+    the `top` by time: per step {after: the kernel the gap follows, before: the kernel it precedes,
+    ms, count}. A gap before the same kernel every step points at one place in the code (a host
+    read, a slow launch)."""
     gaps: dict = {}
     for after, before, idle in _gaps(kernels):
         key = (after[:name_chars], before[:name_chars])

@@ -66,7 +66,8 @@ def _kernels():
             tile_row = (pr.to(tl.int64) * BR) // tile_rows
             tl.atomic_max(amax_ptr + tile_row * n_tile_cols + pc, tl.max(running, axis=0))
 
-    tile_scale, quantize = transposed_cast._kernels()["tile_scale"], transposed_cast._kernels()["quantize"]
+    shared = transposed_cast._kernels()  # the scale rule and the quantisation, written once there
+    tile_scale, quantize = shared["tile_scale"], shared["quantize"]
 
     @triton.jit
     def cast_tiles(x_ptr, scale_ptr, inv_ptr, y_ptr, n_rows, n_cols, x_row, tile_rows, tile_cols, n_tile_cols,
