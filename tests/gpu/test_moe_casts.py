@@ -23,6 +23,9 @@ def test_fused_casts_are_bit_identical_on_cuda(dtype):
     w[2, 3, 5] = float("nan")
     assert grouped_cast.usable(w)
     _same(grouped_cast.weight_forward(w), grouped.rowwise(w))
+    _same(grouped.cast_weight_forward(w), grouped.rowwise(w))  # stored [E, N, K]: the row kernel, one read
+    stored_kn = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # GPT-OSS's layout: the compiled cast
+    _same(grouped.cast_weight_forward(stored_kn), grouped.rowwise(w))
     w_kn, scale = w.transpose(-2, -1), expert_scale(w)
     _same([grouped_cast.weight_input_grad(w_kn, scale)], [grouped_cast.expert_scaled(w_kn, scale)])
     # the token and weight-gradient casts, gathered through the padded layout: test_transposed_cast.py

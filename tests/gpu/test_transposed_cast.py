@@ -86,6 +86,9 @@ def test_grouped_casts_through_the_layout_write_the_padded_bytes(dtype):
          grouped.groupwise_columns(grouped.pad_groups(columns, layout), layout))
     x[40] = float("nan")  # a NaN row stays NaN, scale and all
     same(grouped.cast_tokens(x, layout), grouped.rowwise(grouped.pad_groups(x, layout)))
+    wide = torch.randn(sum(SIZES), 40000, device="cuda").to(dtype)  # past ONE_READ_MAX: walked twice
+    wide[7, 39999], wide[9, 3] = float("nan"), float("inf")
+    same(grouped.cast_tokens(wide, layout), grouped.rowwise(grouped.pad_groups(wide, layout)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -104,7 +104,17 @@ def _fused(t: torch.Tensor) -> bool:
 
 
 def cast_weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return grouped_cast.weight_forward(w_nk) if _fused(w_nk) else rowwise(w_nk)
+    """The forward's weight [E, N, K] cast rowwise along K. Fused: stored [E, N, K], by
+    transposed_cast's row kernel, which reads each row once at about 4.4 TB/s on an H200 (the
+    compiled cast took 1.5x as long at Mixtral's gate_up, and the GPU waited about 0.18 ms for the
+    host's call of it each time); stored [E, K, N] (GPT-OSS), by grouped_cast's compiled reduction
+    along the strided K."""
+    if not _fused(w_nk):
+        return rowwise(w_nk)
+    if not w_nk.is_contiguous():
+        return grouped_cast.weight_forward(w_nk)
+    data, inv = transposed_cast.rows_cast(w_nk.view(-1, w_nk.shape[-1]), AMAX_FLOOR)
+    return data.view(w_nk.shape), inv.view(w_nk.shape[:-1])
 
 
 def cast_weight_input_grad(w_nk: torch.Tensor, expert_inv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

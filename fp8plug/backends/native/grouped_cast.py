@@ -1,15 +1,16 @@
-"""The grouped FP8 GEMM's weight casts along a contiguous dimension, fused, on a GPU.
+"""The grouped FP8 GEMM's casts of weights stored [E, K, N] (GPT-OSS's), fused by torch.compile on
+a GPU, and the scale arithmetic of the experts' Triton casts.
 
 Why: eagerly, each cast in backends/native/grouped.py (amax per row or per group and column, the
 scale, the scaled tensor, the FP8 copy, the scale's reciprocal) is five to seven torch launches,
 each reading or writing the whole tensor in float32. For a Mixtral-sized experts module that is
 the 3-D weight (940M elements for gate_up) read and written several times a step in each
-direction, which cost more than FP8's GEMMs saved (docs/moe.md: 0.1-0.4x bf16 eagerly). Here each
-such cast is one torch.compile'd function (fullgraph, static shapes): the compiler makes one
-kernel of the reduction and the cast, the reduced dimension being the weight's rows. The casts
-along a strided dimension and the token casts, which read through the padded layout, are
-backends.native.transposed_cast's Triton kernels, whose scales come from `scale_of` and
-`reciprocal` below.
+direction, which cost more than FP8's GEMMs saved (docs/moe.md: 0.1-0.4x bf16 eagerly). Here the
+weight casts that read along a strided dimension (weights stored [E, K, N], GPT-OSS's) are each
+one torch.compile'd function (fullgraph, static shapes): the compiler makes one kernel of the
+reduction and the cast. Weights stored [E, N, K] and the token casts, which read through the
+padded layout, take backends.native.transposed_cast's Triton kernels; the weight gradient's
+operand scales come from `scale_of` and `reciprocal` below.
 
 Bit for bit the casts of grouped.py, on every backend: the maximum, the clamp, the product and the
 float8 conversion are exact operations; Triton's float32 division is not (inductor writes it as
@@ -127,7 +128,8 @@ def usable(t: torch.Tensor) -> bool:
 
 
 def weight_forward(w_nk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The forward's weight [E, N, K] cast rowwise along K."""
+    """The forward's weight [E, N, K] cast rowwise along K: for weights stored [E, K, N] (a
+    transposed view here); those stored [E, N, K] take transposed_cast's row kernel (grouped.py)."""
     return _run(_weight_forward, w_nk)
 
 

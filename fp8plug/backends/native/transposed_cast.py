@@ -13,15 +13,16 @@ more than their FP8 GEMMs saved (docs/performance.md, "Where the time goes").
 Here: pass one walks the tensor in row tiles, a program down a band of columns, keeps the
 elementwise maximum of its tiles and reduces it across rows once, into one atomic max a column
 and segment (reduced per tile, through shared memory, the pass read a Mixtral gradient at a
-sixth of the bandwidth: 1.13 ms against 0.43 now, 0.20 for its bytes; docs/moe.md); the scales
-are then worked out from the amaxes, by the caller's own torch ops or, for the granular layers'
-rule (`tile_scale`), in pass two itself; pass two reads the tensor again, scales, casts, and
-writes the tile transposed. Rows can be gathered on the way (`source`: a padded token layout's
-row map, -1 for a zero row), so the grouped GEMM's padding costs no copy of its own; a leading
-batch dimension (an experts weight [E, N, K]) is one more grid axis. Blockwise's 128-row
-segments take one pass (`segment_cast_transposed`): a program holds a whole segment.
+sixth of the bandwidth); the scales are then worked out from the amaxes, by the caller's own
+torch ops or, for the granular layers' rule (`tile_scale`), in pass two itself; pass two reads
+the tensor again, scales, casts, and writes the tile transposed. Rows can be gathered on the way
+(`source`: a padded token layout's row map, -1 for a zero row), so the grouped GEMM's padding
+costs no copy of its own; a leading batch dimension (an experts weight [E, N, K]) is one more
+grid axis. Blockwise's 128-row segments take one pass (`segment_cast_transposed`): a program holds
+a whole segment.
 
-`rows_cast` is the grouped GEMM's token cast with that gather: one scale per row, written as is.
+`rows_cast` is the grouped GEMM's token cast with that gather (and its weights' forward cast,
+without): one scale per row, written as is.
 
 Segments of rows that share a column scale: ALL_ROWS (one), TILES_128 (128 rows each) or GROUPS
 (`segment`: each row's group, groups 16-row aligned). On the CPU, and without Triton, callers
@@ -41,11 +42,23 @@ SEGMENT_ROWS = 128  # TILES_128's rows per segment
 GROUP_ROWS = 16  # GROUPS: every group starts at a multiple of this many rows
 # Tiles: (rows, columns, warps) of the amax pass and of the cast; the cast's rows divide
 # SEGMENT_ROWS, so a tile of it lies in one 128-row segment.
-AMAX_TILE = (64, 128, 4)
-AMAX_ROWS_PER_PROGRAM = 512  # rows one amax program walks (ALL_ROWS, GROUPS); TILES_128: one segment
+AMAX_TILE = (32, 128, 4)
+# rows one amax program walks (ALL_ROWS, GROUPS; TILES_128: one segment, the same). The pass waits
+# on each tile's load in turn, so short walks in many programs keep more loads in flight: walking
+# 128 rows rather than 512 (in 64-row tiles) took 0.60-0.69x the time for Mixtral's gathered token
+# rows (one H200, benchmarks/moe/token_casts.py), with four times the atomics; over whole columns of
+# [8192, C] activations it took 0.88-1.07x.
+AMAX_ROWS_PER_PROGRAM = 128
 CAST_TILE = (64, 128, 4)
+GROUPS_CAST_TILE = (64, 128, 8)  # GROUPS' gathered token rows: 0.84-0.87x CAST_TILE's time (Mixtral, H200)
 SEGMENT_CAST_TILE = (64, 4)  # columns and warps of the one-pass TILES_128 cast (a program: 128 rows)
 ROWS_TILE = (8, 512, 4)
+# rows_cast reads rows of up to ONE_READ_MAX elements (padded to a power of two) once: a program
+# holds whole rows, at least ONE_READ_MIN elements, 64 a thread; longer rows are walked twice
+# (ROWS_TILE). On an H200, Mixtral's token rows (4096, 14336 and 28672 wide, bf16) cast in 0.60,
+# 0.60 and 0.76 of the time two walks took, and its gate_up weight in 0.67 of the compiled cast's
+# (benchmarks/moe/token_casts.py).
+ONE_READ_MIN, ONE_READ_MAX = 8192, 32768
 TRANSPOSE_TILE = (64, 128, 4)  # rows, columns, warps of transposed()
 
 _KERNELS = None
@@ -230,28 +243,46 @@ def _build():
         store_transposed(y_ptr, quantize(x, s[None, :], FP8_LIMIT), rows, cols, n_rows, n_cols)
 
     @triton.jit
-    def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
-                  FP8_LIMIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        """y[r] = fp8(x[src(r)] * scale_r), scale_r = FP8_LIMIT * (1 / max(amax_r, AMAX_FLOOR))
-        correctly rounded (a NaN row keeps a NaN scale), inv[r] = 1 / scale_r; zero rows where the
-        map says -1."""
-        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-        amax = tl.zeros((BR,), dtype=tl.float32)
-        nan = tl.zeros((BR,), dtype=tl.int32)
-        for start in range(0, n_cols, BC):
-            cols = start + tl.arange(0, BC)
-            a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, True).to(tl.float32))
-            nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
-            amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, a), axis=1))
+    def row_scales(nan, amax, AMAX_FLOOR: tl.constexpr, FP8_LIMIT: tl.constexpr):
+        """The scales of rows whose largest |value| besides NaN is `amax` and that hold `nan` > 0
+        NaNs: FP8_LIMIT * (1 / max(amax, AMAX_FLOOR)) correctly rounded, NaN for a NaN row."""
         amax = tl.where(nan > 0, float("nan"), tl.maximum(amax, AMAX_FLOOR))
-        scale = tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), amax) * FP8_LIMIT
-        tl.store(inv_ptr + rows, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), scale), mask=rows < n_rows)
-        for start in range(0, n_cols, BC):
-            cols = start + tl.arange(0, BC)
-            x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, True)
+        return tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_LIMIT
+
+    @triton.jit
+    def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
+                  FP8_LIMIT: tl.constexpr, GATHER: tl.constexpr, ONE_READ: tl.constexpr, BR: tl.constexpr,
+                  BC: tl.constexpr):
+        """y[r] = fp8(x[src(r)] * scale_r) (`row_scales`), inv[r] = 1 / scale_r; through the row
+        map where GATHER (zero rows where it says -1). ONE_READ: BC holds a whole row, so each
+        tile is read once and cast from registers; else a first walk along the rows finds their
+        amaxes and a second reads them again to cast."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        if ONE_READ:
+            cols = tl.arange(0, BC)
+            x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
+            a = tl.abs(x.to(tl.float32))
+            nan = tl.max((a != a).to(tl.int32), axis=1)
+            scale = row_scales(nan, tl.max(tl.where(a != a, 0.0, a), axis=1), AMAX_FLOOR, FP8_LIMIT)
             y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
-            tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
-                     (cols[None, :] < n_cols))
+            tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y,
+                     mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+        else:
+            amax = tl.zeros((BR,), dtype=tl.float32)
+            nan = tl.zeros((BR,), dtype=tl.int32)
+            for start in range(0, n_cols, BC):
+                cols = start + tl.arange(0, BC)
+                a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER).to(tl.float32))
+                nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
+                amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, a), axis=1))
+            scale = row_scales(nan, amax, AMAX_FLOOR, FP8_LIMIT)
+            for start in range(0, n_cols, BC):
+                cols = start + tl.arange(0, BC)
+                x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
+                y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
+                tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
+                         (cols[None, :] < n_cols))
+        tl.store(inv_ptr + rows, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), scale), mask=rows < n_rows)
 
     @triton.jit
     def transpose_bytes(x_ptr, y_ptr, n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
@@ -317,7 +348,7 @@ def _cast_transposed(t, scale, power_of_two, segments, source=None, segment=None
     y = torch.empty((batch, cols, rows), device=t.device, dtype=E4M3)
     from_amax = power_of_two is not None
     inv = torch.empty_like(scale) if from_amax else scale
-    br, bc, warps = CAST_TILE
+    br, bc, warps = GROUPS_CAST_TILE if segments == GROUPS else CAST_TILE
     grid = (k["triton"].cdiv(rows, br), k["triton"].cdiv(cols, bc), batch)
     k["cast_transposed"][grid](t, source if source is not None else t, segment if segment is not None else t,
                                scale, inv, y.view(torch.uint8), rows, cols, x_batch, x_row, scale.shape[-2],
@@ -359,21 +390,25 @@ def tile_scaled_columns(t: torch.Tensor, power_of_two: bool, segments: int) -> T
     return y, inv
 
 
-def rows_cast(t: torch.Tensor, amax_floor: float, source: torch.Tensor,
-              n_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def rows_cast(t: torch.Tensor, amax_floor: float, source: Optional[torch.Tensor] = None,
+              n_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [n_rows, C] with one scale per row, the float32 inverse scales [n_rows]): row r is
-    `t`'s row source[r] (zero where -1), scaled by E4M3's max over its amax (at least
-    `amax_floor`): backends.native.grouped.rowwise's bytes, with the padding gather done on the way."""
+    `t`'s row source[r] (zero where -1; without `source`, `t` [R, C] itself), scaled by E4M3's
+    max over its amax (at least `amax_floor`): backends.native.grouped.rowwise's bytes, with the
+    padding gather done on the way. Rows of up to ONE_READ_MAX elements are read once."""
     k = _kernels()
     if t.stride(-1) != 1:
         t = t.contiguous()
-    rows, cols = n_rows, t.shape[1]
+    rows, cols = (n_rows if source is not None else t.shape[0]), t.shape[1]
     y = torch.empty((rows, cols), device=t.device, dtype=E4M3)
     inv = torch.empty((rows,), device=t.device, dtype=torch.float32)
-    br, bc, warps = ROWS_TILE
+    whole = k["triton"].next_power_of_2(cols)
+    one_read = whole <= ONE_READ_MAX
+    held = max(whole, ONE_READ_MIN)
+    br, bc, warps = (held // whole, whole, held // (64 * 32)) if one_read else ROWS_TILE
     k["rows_cast"][(k["triton"].cdiv(rows, br),)](
-        t, source, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor, FP8_LIMIT=FP8_MAX[E4M3],
-        BR=br, BC=bc, num_warps=warps)
+        t, source if source is not None else t, y, inv, rows, cols, t.stride(0), AMAX_FLOOR=amax_floor,
+        FP8_LIMIT=FP8_MAX[E4M3], GATHER=source is not None, ONE_READ=one_read, BR=br, BC=bc, num_warps=warps)
     return y, inv
 
 
