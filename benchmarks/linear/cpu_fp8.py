@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import fp8plug  # noqa: E402
 from fp8plug.backends import gemm as fp8_gemm  # noqa: E402
-from fp8plug.backends.native import engine as native  # noqa: E402
+from fp8plug.backends.native import fp8_matmul  # noqa: E402
 from fp8plug.bench.toy_model import DecoderConfig, TinyDecoder, lm_loss, synthetic_batches  # noqa: E402
 
 
@@ -91,11 +91,11 @@ def step_rows(steps: int):
         model = copy.deepcopy(base)
         fp8plug.convert_model(model, recipe=recipe, backend="native")
         fp8plug.apply_fp8_autowrap(model, recipe)
-        native.scaled_mm = fn  # the engine's GEMM, swapped for this row only
+        fp8_matmul.scaled_mm = fn  # the layer's GEMMs, swapped for this row only
         try:
             rows[way] = step_ms(model, batches, 1, 1) if way == SLOW else step_ms(model, batches, steps)
         finally:
-            native.scaled_mm = fp8_gemm.scaled_mm
+            fp8_matmul.scaled_mm = fp8_gemm.scaled_mm
     return rows
 
 

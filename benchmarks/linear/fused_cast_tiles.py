@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from fp8plug.backends.native import engine as native
 from fp8plug.backends.native import fused_cast
+from fp8plug.backends.native.cast import cast_operand
 from fp8plug.backends.native.scaling import E4M3
 from fp8plug.bench import Timer
 
@@ -30,7 +30,7 @@ def gpu_ms(fn):
 @torch.compile
 def torch_cast(t):
     """The native engine's cast of a dynamic slot (torch ops: amax pass, then both layouts)."""
-    return native._cast(t, E4M3, False, None, None, 0)
+    return cast_operand(t, E4M3, False, None, None, 0)
 
 
 def main():

@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 
 import fp8plug  # noqa: E402
 from fp8plug.backends.native import engine as native  # noqa: E402
-from fp8plug.backends.native import fp8_matmul  # noqa: E402
+from fp8plug.backends.native import fp8_matmul, linear  # noqa: E402
 from fp8plug.checkpoints import export_formats as formats  # noqa: E402
 from fp8plug.checkpoints.export import export_model, load_fp8_checkpoint, save_fp8_checkpoint  # noqa: E402
 from fp8plug.layers.rules import ADAPTER  # noqa: E402
@@ -69,7 +69,7 @@ def test_frozen_base_layers_do_no_weight_gradient_work(monkeypatch):
     q/k/v inputs need no gradient under LoRA (embeddings and norm are frozen): no input-gradient
     GEMM either."""
     gemms, transposed = [], []
-    real_gemm, real_cast = fp8_matmul.scaled_mm, native._cast
+    real_gemm, real_cast = fp8_matmul.scaled_mm, linear._cast
 
     def counting_gemm(*args, **kwargs):
         gemms.append(1)
@@ -81,7 +81,7 @@ def test_frozen_base_layers_do_no_weight_gradient_work(monkeypatch):
         return out
 
     monkeypatch.setattr(fp8_matmul, "scaled_mm", counting_gemm)
-    monkeypatch.setattr(native, "_cast", counting_cast)  # the layer's forward casts
+    monkeypatch.setattr(linear, "_cast", counting_cast)  # the layer's forward casts
     monkeypatch.setattr(fp8_matmul, "_cast", counting_cast)  # backward's grad_output casts
     model = lora_llama()
     fp8plug.convert_model(model, recipe=RECIPE)

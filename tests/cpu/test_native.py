@@ -10,7 +10,8 @@ from torch import nn
 
 import fp8plug
 from fp8plug import sync_fp8_scaling
-from fp8plug.backends.native.engine import E4M3, E5M2, FP8_MAX, NativeFP8Linear, native_fp8_autocast
+from fp8plug.backends.native.engine import NativeFP8Linear, native_fp8_autocast
+from fp8plug.backends.native.scaling import E4M3, E5M2, FP8_MAX
 from tests.support.numerics import sqnr_db
 
 OPTIONS = dict(scaling="delayed", fp8_format="HYBRID", margin=0, interval=1, amax_history_len=16,

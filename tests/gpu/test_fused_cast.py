@@ -97,11 +97,11 @@ def test_layer_on_the_fused_path_matches_the_torch_path(monkeypatch, scaling):
                    amax_compute_algo="most_recent", override_linear_precision=(False, False, False))
     fused = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
     plain = NativeFP8Linear.from_linear(copy.deepcopy(base), **options)
-    from fp8plug.backends.native import engine as native
+    from fp8plug.backends.native import fused_cast
 
     results = []
     for layer, use_fused in ((fused, True), (plain, False)):
-        monkeypatch.setattr(native.fused_cast, "usable", lambda t, on=use_fused: on and t.is_cuda)
+        monkeypatch.setattr(fused_cast, "usable", lambda t, on=use_fused: on and t.is_cuda)
         outs = []
         torch.manual_seed(1)
         for _ in range(3):

@@ -3,7 +3,7 @@ the FP8 copy and its transpose, by the eager CUDA kernel (backends.native.fused_
 (which torch.compile fuses with the ops around them), and, eagerly, one cast for an input several
 layers read (backends.native.shared_input).
 
-A module of its own so that engine.py holds the layer and the engine; the rule itself
+A module of its own so that linear.py holds the layer and engine.py the engine; the rule itself
 is written here once, for the input and weight casts of forward and grad_output's in backward.
 """
 

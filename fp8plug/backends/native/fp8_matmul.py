@@ -2,7 +2,7 @@
 
 Why a file of its own: this is the one autograd Function behind every NativeFP8Linear (its three
 GEMMs, which of them a frozen weight or an input without gradient skips, and delayed scaling's
-grad_output amax record); the layer around it (backends.native.engine) decides the casts.
+grad_output amax record); the layer around it (backends.native.linear) decides the casts.
 `_cast` and `scaled_mm` are module names so tests can count the casts and GEMMs backward makes.
 """
 

@@ -35,7 +35,7 @@ from torch import nn
 from fp8plug.backends.native import tile_cast, transposed_cast
 from fp8plug.backends.native.scaling import FP8_MAX, delayed_scale, quantize, scale_from_amax
 
-WEIGHT = 1  # the weight's slot in a NativeFP8Linear's scaling buffers (engine.WEIGHT)
+WEIGHT = 1  # the weight's slot in a NativeFP8Linear's scaling buffers (linear.WEIGHT)
 
 # Ops whose result is the same weight seen differently (FSDP2's sharding: chunk, pad, copy, view;
 # to_empty, pinning): the result stays wrapped. Every other op's result is plain.
