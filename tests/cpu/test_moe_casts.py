@@ -103,3 +103,24 @@ def test_one_scale_an_expert_keeps_the_input_gradients_precision(spread):
         assert ours > 30 and ours > columns - 0.5, (e, ours, columns)
     assert torch.equal(inv, expert_inv[:, None].expand(-1, 512))
     assert torch.equal(grouped_cast.reciprocal(expert_inv), grouped_cast.reciprocal(inv[:, 0]))
+
+
+def test_a_nan_in_a_groups_column_leaves_the_weight_gradients_column_nan():
+    """The weight gradient's operand reads a NaN as an inf amax, as the fused kernel must (its
+    atomic maximum cannot carry a NaN): that group's column is NaN at the NaN, 0 elsewhere, its
+    inverse scale inf, and the weight gradient's column comes out NaN, nothing else touched."""
+    offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)
+    layout = grouped.group_layout(offs, sum(SIZES))
+    torch.manual_seed(1)
+    x, g = torch.randn(sum(SIZES), 24), torch.randn(sum(SIZES), 8)
+    x[20, 3] = float("nan")  # row 20 lies in the third group (rows 5..21)
+    data, inv = grouped.groupwise_columns(grouped.pad_groups(x, layout), layout)
+    column = data[3].float()[layout.group == 2]
+    assert column.isnan().sum() == 1 and (column.nan_to_num() == 0).all()
+    assert inv.view(layout.experts, -1)[2, 3] == float("inf")
+    assert inv.view(layout.experts, -1).isfinite().sum() == inv.numel() - 1
+    g_t, g_inv = grouped.groupwise_columns(grouped.pad_groups(g, layout), layout)
+    grad_w = grouped.scaled_grouped_mm(g_t, data.t(), g_inv, inv, layout.offs, torch.float32, False)  # [E, 8, 24]
+    assert grad_w[2, :, 3].isnan().all()
+    grad_w[2, :, 3] = 0
+    assert grad_w.isfinite().all()

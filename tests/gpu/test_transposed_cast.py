@@ -89,6 +89,8 @@ def test_grouped_casts_through_the_layout_write_the_padded_bytes(dtype):
     wide = torch.randn(sum(SIZES), 40000, device="cuda").to(dtype)  # past ONE_READ_MAX: walked twice
     wide[7, 39999], wide[9, 3] = float("nan"), float("inf")
     same(grouped.cast_tokens(wide, layout), grouped.rowwise(grouped.pad_groups(wide, layout)))
+    same(grouped.cast_weight_grad_operand(wide, layout),  # the NaN's and the inf's columns: NaN there, 0 besides
+         grouped.groupwise_columns(grouped.pad_groups(wide, layout), layout))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -84,12 +84,16 @@ def rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def groupwise_columns(t: torch.Tensor, layout: GroupLayout) -> Tuple[torch.Tensor, torch.Tensor]:
     """The padded [P, C] operand of the weight gradient, transposed to row-major [C, P] in e4m3,
     scaled per group and column (the rows of the transposed operand within each group), and the
-    inverse scales as [E * C], group-major, as the grouped-over-K GEMM takes them."""
+    inverse scales as [E * C], group-major, as the grouped-over-K GEMM takes them. A NaN counts as
+    an inf amax (the fused kernel's atomic maximum cannot carry a NaN): its group's column gets
+    scale 0, so the NaN and any inf stay NaN, the rest 0, and the inverse scale is inf; the
+    weight gradient's column is NaN either way."""
     rows, columns = t.shape
     # each group is whole 16-row blocks: the amax of every block first (no atomics), then the
     # blocks' maximum per group (16 times fewer contended updates than row by row)
     blocks = torch.linalg.vector_norm(t.view(rows // GROUP_ALIGNMENT, GROUP_ALIGNMENT, columns), ord=float("inf"),
                                       dim=1, dtype=torch.float32)
+    blocks = blocks.masked_fill(blocks.isnan(), float("inf"))
     index = layout.group[::GROUP_ALIGNMENT, None].expand(-1, columns)
     amax = blocks.new_zeros(layout.experts, columns).scatter_reduce_(0, index, blocks, "amax")
     scale = E4M3_MAX / amax.clamp(min=AMAX_FLOOR)
