@@ -5,11 +5,13 @@ they were chosen over (fp8plug/backends/native/transposed_cast.py):
   rows, up to ONE_READ_MAX elements) against two walks along the rows (amaxes, then the cast);
 - the forward's weight cast [E, N, K] (`grouped.cast_weight_forward`): the row kernel against the
   compiled reduction (`grouped_cast.weight_forward`, which weights stored [E, K, N] still take);
-- the weight-gradient operands' amax pass (`column_amax`, GROUPS): walks of AMAX_ROWS_PER_PROGRAM
-  rows against 512-row walks of 64-row tiles.
+- the weight-gradient operands' amax pass (`column_amax`, GROUPS): the committed AMAX_TILE in walks of
+  AMAX_ROWS_PER_PROGRAM rows against 32 x 128 tiles on 4 warps, and against 512-row walks of 64-row
+  tiles.
 
-Each pair is checked for equal bytes. Time per call, calls back to back (the host's launches count
-as in a step). Token groups from 8192 tokens routed top-k over skewed experts, as grouped_gemm.py.
+Each pair is checked for equal bytes. GPU time per call (transposed_cast_passes.py's `ms_per_call`:
+calls queued behind a GPU sleep). Token groups from 8192 tokens routed top-k over skewed experts,
+as grouped_gemm.py.
 
     python3 benchmarks/moe/token_casts.py --model mixtral
 """
@@ -78,9 +80,11 @@ def main() -> None:
         one, two, same = against(cast, cast, ONE_READ_MAX=0)
         print(f"  {name} [{rows}, {width}]: row cast one read {one * 1e3:.0f} us, two walks {two * 1e3:.0f} us "
               f"(equal: {same})")
-        short, long, same = against(amax, amax, AMAX_TILE=(64, 128, 4), AMAX_ROWS_PER_PROGRAM=512)
-        print(f"    amax pass {tc.AMAX_ROWS_PER_PROGRAM}-row walks {short * 1e3:.0f} us, 512-row walks "
-              f"{long * 1e3:.0f} us (equal: {same})")
+        short, wider, same = against(amax, amax, AMAX_TILE=(32, 128, 4))
+        _, long, same_long = against(amax, amax, AMAX_TILE=(64, 128, 4), AMAX_ROWS_PER_PROGRAM=512)
+        print(f"    amax pass {tc.AMAX_TILE} tiles in {tc.AMAX_ROWS_PER_PROGRAM}-row walks {short * 1e3:.0f} us, "
+              f"(32, 128, 4) tiles {wider * 1e3:.0f} us, 512-row walks {long * 1e3:.0f} us "
+              f"(equal: {same and same_long})")
     for shape in ((experts, 2 * ffn, hidden), (experts, hidden, ffn)):
         for dtype in (torch.bfloat16, torch.float32):
             w = torch.randn(shape, device="cuda", dtype=dtype)

@@ -42,7 +42,11 @@ SEGMENT_ROWS = 128  # TILES_128's rows per segment
 GROUP_ROWS = 16  # GROUPS: every group starts at a multiple of this many rows
 # Tiles: (rows, columns, warps) of the amax pass and of the cast; the cast's rows divide
 # SEGMENT_ROWS, so a tile of it lies in one 128-row segment.
-AMAX_TILE = (32, 128, 4)
+# The amax pass's tile: 16 rows x 128 columns on 2 warps took 0.74-0.81x the time of 32 x 128 on 4
+# for Mixtral's gathered token rows and 0.78-0.89x over whole columns of the benchmark Llama's
+# activations, gradients and weights (one H200, GPU time; benchmarks/moe/token_casts.py,
+# benchmarks/linear/transposed_cast_passes.py).
+AMAX_TILE = (16, 128, 2)
 # rows one amax program walks (ALL_ROWS, GROUPS; TILES_128: one segment, the same). The pass waits
 # on each tile's load in turn, so short walks in many programs keep more loads in flight: walking
 # 128 rows rather than 512 (in 64-row tiles) took 0.60-0.69x the time for Mixtral's gathered token
@@ -51,7 +55,9 @@ AMAX_TILE = (32, 128, 4)
 AMAX_ROWS_PER_PROGRAM = 128
 CAST_TILE = (64, 128, 4)
 GROUPS_CAST_TILE = (64, 128, 8)  # GROUPS' gathered token rows: 0.84-0.87x CAST_TILE's time (Mixtral, H200)
-SEGMENT_CAST_TILE = (64, 4)  # columns and warps of the one-pass TILES_128 cast (a program: 128 rows)
+# columns and warps of the one-pass TILES_128 cast (a program: 128 rows); 2 warps took 0.84-0.90x
+# the time of 4 on the benchmark Llama's [8192, 4096] and [8192, 14336] (one H200, GPU time)
+SEGMENT_CAST_TILE = (64, 2)
 ROWS_TILE = (8, 512, 4)
 # rows_cast reads rows of up to ONE_READ_MAX elements (padded to a power of two) once: a program
 # holds whole rows, at least ONE_READ_MIN elements, 64 a thread; longer rows are walked twice
