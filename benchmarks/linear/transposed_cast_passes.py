@@ -45,34 +45,40 @@ def main() -> None:
     for shape in [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         segments = -(-shape[0] // transposed_cast.SEGMENT_ROWS)
-        one = ms_per_call(lambda: transposed_cast.tile_scaled_columns(x, False, tiles))
+        one_pass = lambda: transposed_cast.tile_scaled_columns(x, False, tiles)  # noqa: E731
+        one, four, same = against(one_pass, one_pass, SEGMENT_CAST_TILE=(64, 4))
         two = ms_per_call(lambda: transposed_cast._cast_transposed(
             x, transposed_cast.column_amax(x, tiles, segments), False, tiles))
-        same, four = with_tile(lambda: transposed_cast.tile_scaled_columns(x, False, tiles), "SEGMENT_CAST_TILE",
-                               (64, 4))
         print(f"{shape} 1x128 tiles: one pass {one * 1e3:.0f} us ({x.numel() * 3 / 1e9 / one:.2f} TB/s of one "
               f"read+write), two passes {two * 1e3:.0f} us; one pass on 4 warps {four * 1e3:.0f} us (equal: {same})")
-        amax = ms_per_call(lambda: transposed_cast.column_amax(x, every, 1))
-        same, old = with_tile(lambda: transposed_cast.column_amax(x, every, 1), "AMAX_TILE", (32, 128, 4))
+        amax_pass = lambda: transposed_cast.column_amax(x, every, 1)  # noqa: E731
+        amax, old, same = against(amax_pass, amax_pass, AMAX_TILE=(32, 128, 4))
         print(f"{shape} rowwise amax pass: {transposed_cast.AMAX_TILE} {amax * 1e3:.0f} us "
               f"({x.numel() * 2 / 1e9 / amax:.2f} TB/s), (32, 128, 4) {old * 1e3:.0f} us (equal: {same})")
 
 
-def with_tile(fn, name: str, tile) -> tuple:
-    """(whether `fn` gives the same result with transposed_cast's `name` set to `tile`, its ms per
-    call so)."""
-    mine = fn()
-    kept = getattr(transposed_cast, name)
-    setattr(transposed_cast, name, tile)
-    try:
-        other = fn()
-        ms = ms_per_call(fn)
-    finally:
-        setattr(transposed_cast, name, kept)
+def equal(a, b) -> bool:
+    """Equal bytes (FP8 compared as bytes, so NaN payloads count)."""
     as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
-    pairs = zip(mine, other) if isinstance(mine, tuple) else [(mine, other)]
-    return all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in pairs), ms
+    return all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(a, b))
 
+
+def against(committed, alternative, **setting) -> tuple:
+    """(committed ms, alternative ms, equal): the alternative runs with transposed_cast's module
+    settings patched for the call."""
+    mine = committed()
+    fast = ms_per_call(committed)
+    kept = {name: getattr(transposed_cast, name) for name in setting}
+    for name, value in setting.items():
+        setattr(transposed_cast, name, value)
+    try:
+        other = alternative()
+        slow = ms_per_call(alternative)
+    finally:
+        for name, value in kept.items():
+            setattr(transposed_cast, name, value)
+    same = equal(mine, other) if isinstance(mine, tuple) else torch.equal(mine, other)
+    return fast, slow, same
 
 if __name__ == "__main__":
     main()

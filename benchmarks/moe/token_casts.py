@@ -9,7 +9,7 @@ they were chosen over (fp8plug/backends/native/transposed_cast.py):
   AMAX_ROWS_PER_PROGRAM rows against 32 x 128 tiles on 4 warps, and against 512-row walks of 64-row
   tiles.
 
-Each pair is checked for equal bytes. GPU time per call (transposed_cast_passes.py's `ms_per_call`:
+Each pair is checked for equal bytes. GPU time per call (transposed_cast_passes.py's `against`:
 calls queued behind a GPU sleep). Token groups from 8192 tokens routed top-k over skewed experts,
 as grouped_gemm.py.
 
@@ -28,34 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "linear"))
 
 from grouped_gemm import SHAPES, group_sizes  # noqa: E402
-from transposed_cast_passes import ms_per_call  # noqa: E402
+from transposed_cast_passes import against  # noqa: E402
 
 from fp8plug.backends.native import grouped, grouped_cast  # noqa: E402
 from fp8plug.backends.native import transposed_cast as tc  # noqa: E402
-
-
-def equal(a, b) -> bool:
-    """Equal bytes (FP8 compared as bytes, so NaN payloads count)."""
-    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
-    return all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(a, b))
-
-
-def against(committed, alternative, **setting) -> tuple:
-    """(committed ms, alternative ms, equal): the alternative runs with transposed_cast's module
-    settings patched for the call."""
-    mine = committed()
-    fast = ms_per_call(committed)
-    kept = {name: getattr(tc, name) for name in setting}
-    for name, value in setting.items():
-        setattr(tc, name, value)
-    try:
-        other = alternative()
-        slow = ms_per_call(alternative)
-    finally:
-        for name, value in kept.items():
-            setattr(tc, name, value)
-    same = equal(mine, other) if isinstance(mine, tuple) else torch.equal(mine, other)
-    return fast, slow, same
 
 
 def main() -> None:

@@ -256,7 +256,7 @@ def _blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
     2.11 cannot trace `torch._scaled_mm_v2`, which F.scaled_mm calls."""
     kinds = F.ScalingType
     a, b = a.contiguous(), b.contiguous()  # row-major whatever strides the compiler gave (a no-op eagerly)
-    sa = a_inv.t().contiguous().t()  # [M, K/128], outer-dimension-major (as the casts make it: no copy)
+    sa = _gemm_layout(a_inv, TILE)  # [M, K/128], outer-dimension-major (as the casts make it: no copy)
     if b_square:  # [K/128, N/128] K-major, K blocks padded to a multiple of 4 (16-byte columns)
         nb, kb = b_inv.shape
         sb = b_inv.contiguous()
@@ -265,7 +265,7 @@ def _blockwise_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: 
             sb[:, :kb] = b_inv
         sb, recipe_b = sb.t(), kinds.BlockWise128x128
     else:
-        sb, recipe_b = b_inv.t().contiguous().t(), kinds.BlockWise1x128
+        sb, recipe_b = _gemm_layout(b_inv, TILE), kinds.BlockWise1x128
     return F.scaled_mm(a, b.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
                        scale_recipe_b=recipe_b, output_dtype=torch.bfloat16)
 
