@@ -108,7 +108,8 @@ PRESETS = {
 # all-gather, which wraps each converted weight in a new Parameter that an optimizer created
 # before prepare() never sees (those weights are then never updated: `params_not_stepped`);
 # turning it off, as one GPU allows, keeps the Parameters. bf16-skipmask: bf16 with fp8plug's
-# attention change alone (fp8plug.hf.attention.skip_causal_mask); fp8plug-keepmask: fp8plug without
+# changes that are not FP8: the attention change (fp8plug.hf.attention.skip_causal_mask) and, under
+# regional compilation, the compiled loss (fp8plug.hf.regional_loss); fp8plug-keepmask: fp8plug without
 # it (skip_causal_mask=False): together they split fp8plug's gain into attention's and FP8's.
 # fp8plug-dpa: fp8plug with FP8 attention (fp8_dpa=True, fp8plug.hf.fp8_attention; TransformerEngine
 # on an sm_90+ GPU): only its eager rows run it (compiled, attention falls back to SDPA), and
@@ -239,6 +240,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     if mode == "precompiled":
         model = torch.compile(model, backend=backend)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if kind == "accelerate" and options.get("skip_causal_mask") and mode == "regional":
+        from fp8plug.hf.regional_loss import compile_loss
+
+        compile_loss(model, dynamo["dynamo_plugin"].to_kwargs())
     if mode == "usercompiled":
         model = torch.compile(model, backend=backend)
     return accelerator, model, optimizer, scheduler

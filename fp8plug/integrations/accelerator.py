@@ -50,6 +50,7 @@ from fp8plug.conversion.apply import apply_plan
 from fp8plug.conversion.plan import check_converted_like, plan_model
 from fp8plug.conversion.tensor_parallel import check_tensor_parallel
 from fp8plug.coverage import fp8_coverage, log_selection
+from fp8plug.hf.regional_loss import compile_losses
 from fp8plug.integrations import deepspeed_zero as ds
 from fp8plug.integrations.cpu_processes import join_cpu_processes
 from fp8plug.integrations.optim import convert_optimizer
@@ -235,8 +236,10 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         result = super().prepare(*args, device_placement=device_placement)
         for model in self._fp8_models:  # counts made on meta that accelerate's FSDP2 gave memory
             settle_all(model)
+        prepared = result if isinstance(result, tuple) else (result,)
         if deepspeed:  # ZeRO's flat partitions hide the models from that hook (fp8plug.integrations.deepspeed_zero)
-            ds.hook_engine_steps(self, result if isinstance(result, tuple) else (result,))
+            ds.hook_engine_steps(self, prepared)
+        compile_losses([prepared[i] for i in new_models], self.state.dynamo_plugin)  # under regional compilation
         return result
 
     def _prepared_here(self, model: nn.Module) -> bool:
