@@ -95,7 +95,6 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -114,10 +113,11 @@ from bench_model import (  # noqa: E402
     materialise,
     weight_sums,
 )
+from fsdp2_data import TEXT_CACHE, heldout_loss, text_dir, text_spec, train_batches  # noqa: E402
 from gpu_time_by_kind import profile_steps  # noqa: E402
-from hf_llama import versions  # noqa: E402
 from hf_llama_measure import dynamo_graphs, model_facts, note_early_step, step_numbers  # noqa: E402
-from hf_llama_task import loss_floor, make_batches, warmup_schedule  # noqa: E402
+from hf_llama_report import versions  # noqa: E402
+from hf_llama_task import loss_floor, warmup_schedule  # noqa: E402
 from moe_llm import MODELS as MOE_MODELS  # noqa: E402
 from moe_llm import experts_facts  # noqa: E402
 from parallel_setup import fsdp_on_cpu, tensor_parallel, tp_on_cpu  # noqa: E402
@@ -129,8 +129,6 @@ MODELS = dict(llama=LLAMA3_8B, **MOE_MODELS)
 SIZE_KEYS = [key for key in dict.fromkeys(k for spec in MODELS.values() for k in spec)
              if key not in ("arch", "norm_topk_prob")]
 DECODER_LAYERS = dict(mixtral="MixtralDecoderLayer", qwen3moe="Qwen3MoeDecoderLayer")  # by spec["arch"]
-TEXT_CACHE = Path(tempfile.gettempdir()) / "fp8plug_fsdp2_text"
-HELDOUT_BATCHES = 8  # --data text: held-out batches each data-parallel rank evaluates after training
 # row base -> (which Accelerator, mixed precision, FP8 engine, recipe arguments)
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
@@ -339,59 +337,6 @@ def precision_facts(model, accelerator) -> dict:
     if hasattr(config, "_experts_implementation"):
         out["experts_implementation"] = config._experts_implementation
     return out
-
-
-def train_batches(spec: dict, args, rank: int):
-    """The batches of data-parallel rank `rank`, (steps, batch, seq) token ids: hf_llama_task's
-    synthetic task, or with --data text windows of real text (benchmarks/training/real_text.py's
-    corpus of site-packages sources and its BPE tokenizer, made once by the parent in --text-cache),
-    each rank its own seed."""
-    import torch
-
-    if args.data == "synthetic":
-        return make_batches(spec, args.steps, seed=1234 + rank)
-    return torch.stack(text_windows(spec, args, "train", args.steps, seed=1234 + rank))
-
-
-def text_windows(spec: dict, args, name: str, count: int, seed: int) -> list:
-    """`count` (batch, seq) windows of --data text's token file `name` ("train", "heldout"), from
-    a seeded generator (real_text.batches, whose windows carry one more token, cut off here)."""
-    from real_text import batches
-
-    return [w[:, :spec["seq"]] for w in batches(text_dir(args), name, count, spec, seed=seed)]
-
-
-def text_spec(args) -> dict:
-    """real_text.prepare_data's spec for --data text: its tokenizer's vocabulary fills the model's
-    up to 32000 (the token files hold uint16)."""
-    return dict(vocab=min(args.spec["vocab"], 32000), budget_mb=args.text_mb, tokenizer_mb=max(1, args.text_mb // 5))
-
-
-def text_dir(args) -> Path:
-    """Where --data text's tokenizer and token files are: one folder per vocabulary and text size."""
-    spec = text_spec(args)
-    return Path(args.text_cache) / f"v{spec['vocab']}_{spec['budget_mb']}mb"
-
-
-def heldout_loss(model, spec: dict, args, device, dp_rank: int) -> float:
-    """--data text: the trained model's mean loss on held-out text (real_text.py's held-out file;
-    HELDOUT_BATCHES batches a data-parallel rank, the same in every row), averaged over the ranks.
-    Every row evaluates in eval mode, where FP8 rows run in high precision as bf16 rows do (the
-    weights are compared, not the arithmetic), and outside torch.compile's wrapper, which would
-    compile the model again for eval mode. A step's training loss is one batch's, rounded to bf16:
-    too noisy at a few hundred steps to tell 1% apart."""
-    import torch
-
-    inner = getattr(model, "_orig_mod", model)
-    windows = [w.to(device) for w in text_windows(spec, args, "heldout", HELDOUT_BATCHES, seed=4321 + dp_rank)]
-    inner.eval()
-    with torch.no_grad():
-        loss = torch.stack([inner(input_ids=w, labels=w).loss.float() for w in windows]).mean()
-    inner.train()
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(loss)
-        loss /= torch.distributed.get_world_size()
-    return loss.item()
 
 
 def train_loop(model, optimizer, scheduler, accelerator, spec: dict, args, t0: float, out: dict) -> dict:

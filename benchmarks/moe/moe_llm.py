@@ -62,6 +62,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training")):
 from fresh_process import run_fresh  # noqa: E402
 from gpu_time_by_kind import profile_steps  # noqa: E402
 from hf_llama_measure import StepClock, gpu_memory, note_early_step, step_numbers  # noqa: E402
+from hf_llama_report import versions  # noqa: E402
 from hf_llama_task import loss_floor, make_batches, training_step, warmup_schedule  # noqa: E402
 
 MODELS = {
@@ -294,18 +295,6 @@ def table(meta: dict, rows: list) -> str:
                      f"{f(r.get('peak_gb'), '.1f')} | {f(r.get('first_step_s'), '.1f')} | {f(r.get('loss'), '.4f')} | "
                      f"{f(r.get('loss_vs_bf16_pct'), '+.2f')} | {experts} | {note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("torch", "transformers", "accelerate", "torchao"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def parse_args(argv=None):

@@ -87,6 +87,7 @@ from hf_llama_measure import (  # noqa: E402
     note_early_step,
     step_numbers,
 )
+from hf_llama_report import merge, save, table, versions  # noqa: E402,F401
 from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, training_step, warmup_schedule  # noqa: E402,F401
 
 PRESETS = {
@@ -148,7 +149,6 @@ ALL_ROWS = [f"{base}-{mode}" for base in BASES for mode in MODES]
 DEFAULT_ROWS = [row for row in ALL_ROWS if row.rsplit("-", 1)[1] in ("eager", "compiled")
                 and row not in ("accelerate-ao-eager", "accelerate-ao-noag-eager") and "mask-" not in row
                 and "-dpa-" not in row and row.rsplit("-", 1)[0] not in FINER]
-REFERENCES = ("bf16-compiled", "bf16-eager", "bf16-trainer")  # the first with numbers is the ratios' base
 
 
 # --- one row, in its own process (the task and the model: hf_llama_task.py) -------------------------
@@ -332,63 +332,6 @@ def spawn(row: str, args, timeout: float) -> dict:
         return dict(row=row, error=f"process exited {code}: {tail}")
 
 
-def summarize(rows: list) -> str:
-    """Add `speedup` and `loss_vs_ref_pct` against the reference row to each row; return its name."""
-    ok = {r["row"]: r for r in rows if r.get("tokens_per_s")}
-    reference = next((name for name in REFERENCES if name in ok), None)
-    for r in rows:
-        ref = ok.get(reference)
-        good = ref is not None and r.get("tokens_per_s")
-        r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if good else None
-        r["loss_vs_ref_pct"] = (r["loss"] / ref["loss"] - 1) * 100 if good and r.get("loss") else None
-    return reference
-
-
-def table(meta: dict, rows: list) -> str:
-    def f(value, spec, suffix=""):
-        return "-" if value is None else format(value, spec) + suffix
-
-    s = meta["spec"]
-    ref = meta.get("reference") or "bf16"
-    backend = s.get("compile_backend", "inductor")
-    lines = [
-        f"LlamaForCausalLM: {s['layers']} layers, hidden {s['hidden']}, intermediate {s['intermediate']}, "
-        f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}; batch {s['batch']} x {s['seq']} tokens; "
-        f"{meta['steps']} steps ({meta['warmup']} warm-up), loss floor {loss_floor(s):.3f}"
-        + (f"; PEFT LoRA r={s['lora']} on every projection, base frozen" if s.get("lora") else "")
-        + ("; Liger kernels (apply_liger_kernel_to_llama defaults: RoPE, RMSNorm, SwiGLU, fused linear "
-           "cross-entropy)" if s.get("liger") else "")
-        + (f"; torch.compile backend {backend}" if backend != "inductor" else ""),
-        f"{meta.get('device') or '-'}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-        "",
-        f"| row | engine | tok/s | vs {ref} | peak GB | first step s | warm-up s | loss | loss vs {ref} | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        note = (r.get("error") or "").replace("|", "/")
-        if r.get("params_not_stepped"):
-            note = f"{r['params_not_stepped'] / 1e6:.1f}M parameters not in the optimizer (never updated) {note}"
-        lines.append(
-            f"| {r['row']} | {r.get('engine') or '-'} | {f(r.get('tokens_per_s'), ',.0f')} | "
-            f"{f(r.get('speedup'), '.2f', 'x')} | {f(r.get('peak_gb'), '.1f')} | "
-            f"{f(r.get('first_step_s'), '.1f')} | {f(r.get('warm_s'), '.1f')} | {f(r.get('loss'), '.4f')} | "
-            f"{f(r.get('loss_vs_ref_pct'), '+.2f', '%')} | {note.strip()} |")
-    return "\n".join(lines) + "\n"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-    import platform
-
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "torchao", "transformer_engine", "peft", "liger-kernel"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def parse_rows(text: str) -> list:
     names = {"default": DEFAULT_ROWS, "all": ALL_ROWS}
     rows = []
@@ -472,27 +415,6 @@ def run_rows(args, meta: dict) -> list:
               f"loss {r.get('loss')}", file=sys.stderr, flush=True)
         save(args.json, meta, rows)
     return rows
-
-
-def merge(paths: list):
-    """The rows of several --json files: per row the last one with numbers, else the last one."""
-    meta, rows = None, {}
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        meta = meta or data["meta"]
-        for r in data["rows"]:
-            if r.get("tokens_per_s") or not rows.get(r["row"], {}).get("tokens_per_s"):
-                rows[r["row"]] = r
-    meta["command"] = f"{meta['command']} (merged: {', '.join(map(str, paths))})"
-    return meta, list(rows.values())
-
-
-def save(path, meta: dict, rows: list) -> None:
-    meta["device"] = next((r["device"] for r in rows if r.get("device")), meta.get("device"))
-    meta["reference"] = summarize(rows)
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 
 def main(argv=None) -> int:

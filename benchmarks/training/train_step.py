@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from hf_llama_report import versions  # noqa: E402  (this folder is on the path: the script's own)
+
 MODELS = {
     "probe": dict(dim=4096, n_layers=4, n_heads=32, ffn_dim=16384, vocab_size=32000, batch=4, seq=2048),
     "1b": dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=8192, vocab_size=32000, batch=4, seq=2048),
@@ -426,18 +428,6 @@ def markdown(meta: dict, rows: list) -> str:
         )
     lines += ["", "overhead vs raw = raw engine tokens/s / fp8plug tokens/s - 1 (positive: fp8plug slower)."]
     return "\n".join(lines) + "\n"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("accelerate", "torchao", "transformer_engine", "msamp"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def main(argv=None) -> int:

@@ -133,9 +133,9 @@ def _build():
                        other=0.0)
 
     @triton.jit
-    def abs_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER: tl.constexpr):
-        """|tile| in float32, NaN read as inf (so a column holding one gets an inf amax)."""
-        a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER).to(tl.float32))
+    def abs_nan_as_inf(x):
+        """|x| in float32, NaN read as inf (so a column holding one gets an inf amax)."""
+        a = tl.abs(x.to(tl.float32))
         return tl.where(a != a, float("inf"), a)
 
     @triton.jit
@@ -170,6 +170,7 @@ def _build():
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         first_row = pr.to(tl.int64) * (BR * STEPS)
         out = amax_ptr + b * n_segments * n_cols + cols
+        x_base = x_ptr + b * x_batch
         if SEGMENTS == 2:  # the grid starts every program inside
             current = tl.load(seg_ptr + first_row).to(tl.int64)
             last = tl.load(seg_ptr + tl.minimum(first_row + BR * STEPS, n_rows) - 1).to(tl.int64)
@@ -180,7 +181,8 @@ def _build():
             acc = tl.zeros((BR, BC), dtype=tl.float32)
             for step in range(STEPS):
                 rows = first_row + step * BR + tl.arange(0, BR)
-                acc = tl.maximum(acc, abs_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER))
+                a = abs_nan_as_inf(load_tile(x_base, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER))
+                acc = tl.maximum(acc, a)
             tl.atomic_max(out + current * n_cols, tl.max(acc, axis=0), mask=cols < n_cols)
         else:
             running = tl.zeros((BC,), dtype=tl.float32)
@@ -193,7 +195,7 @@ def _build():
                         running = tl.zeros((BC,), dtype=tl.float32)
                         current = seg
                     rows = start + tl.arange(0, GR)
-                    a = abs_tile(x_ptr + b * x_batch, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
+                    a = abs_nan_as_inf(load_tile(x_base, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER))
                     running = tl.maximum(running, tl.max(a, axis=0))
             tl.atomic_max(out + current * n_cols, running, mask=cols < n_cols)
 
@@ -242,8 +244,7 @@ def _build():
         rows = pr.to(tl.int64) * 128 + tl.arange(0, 128)
         cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         x = load_tile(x_ptr, x_ptr, rows, cols, n_rows, n_cols, x_row, False)
-        a = tl.abs(x.to(tl.float32))
-        s = tile_scale(tl.max(tl.where(a != a, float("inf"), a), axis=0), FP8_LIMIT, MAX_SCALE, POWER_OF_TWO)
+        s = tile_scale(tl.max(abs_nan_as_inf(x), axis=0), FP8_LIMIT, MAX_SCALE, POWER_OF_TWO)
         tl.store(inv_ptr + pr.to(tl.int64) * n_cols + cols, tl.math.div_rn(tl.full((BC,), 1.0, tl.float32), s),
                  mask=cols < n_cols)
         store_transposed(y_ptr, quantize(x, s[None, :], FP8_LIMIT), rows, cols, n_rows, n_cols)
@@ -254,6 +255,18 @@ def _build():
         NaNs: FP8_LIMIT * (1 / max(amax, AMAX_FLOOR)) correctly rounded, NaN for a NaN row."""
         amax = tl.where(nan > 0, float("nan"), tl.maximum(amax, AMAX_FLOOR))
         return tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_LIMIT
+
+    @triton.jit
+    def row_amax_parts(x):
+        """Per row of the tile `x`: (whether it holds a NaN, 1 or 0; its largest |value| besides NaN)."""
+        a = tl.abs(x.to(tl.float32))
+        return tl.max((a != a).to(tl.int32), axis=1), tl.max(tl.where(a != a, 0.0, a), axis=1)
+
+    @triton.jit
+    def store_rows(y_ptr, x, scale, rows, cols, n_rows, n_cols):
+        """fp8(x * scale of its row) written at y_ptr [n_rows, n_cols] (the cast rowwise's torch ops make)."""
+        tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv),
+                 mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
     @triton.jit
     def rows_cast(x_ptr, src_ptr, y_ptr, inv_ptr, n_rows, n_cols, x_row, AMAX_FLOOR: tl.constexpr,
@@ -267,27 +280,22 @@ def _build():
         if ONE_READ:
             cols = tl.arange(0, BC)
             x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
-            a = tl.abs(x.to(tl.float32))
-            nan = tl.max((a != a).to(tl.int32), axis=1)
-            scale = row_scales(nan, tl.max(tl.where(a != a, 0.0, a), axis=1), AMAX_FLOOR, FP8_LIMIT)
-            y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
-            tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y,
-                     mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+            nan, amax = row_amax_parts(x)
+            scale = row_scales(nan, amax, AMAX_FLOOR, FP8_LIMIT)
+            store_rows(y_ptr, x, scale, rows, cols, n_rows, n_cols)
         else:
             amax = tl.zeros((BR,), dtype=tl.float32)
             nan = tl.zeros((BR,), dtype=tl.int32)
             for start in range(0, n_cols, BC):
                 cols = start + tl.arange(0, BC)
-                a = tl.abs(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER).to(tl.float32))
-                nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
-                amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, a), axis=1))
+                tile_nan, tile_amax = row_amax_parts(load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row,
+                                                               GATHER))
+                nan, amax = tl.maximum(nan, tile_nan), tl.maximum(amax, tile_amax)
             scale = row_scales(nan, amax, AMAX_FLOOR, FP8_LIMIT)
             for start in range(0, n_cols, BC):
                 cols = start + tl.arange(0, BC)
-                x = load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER)
-                y = (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv)
-                tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=(rows[:, None] < n_rows) &
-                         (cols[None, :] < n_cols))
+                store_rows(y_ptr, load_tile(x_ptr, src_ptr, rows, cols, n_rows, n_cols, x_row, GATHER), scale, rows,
+                           cols, n_rows, n_cols)
         tl.store(inv_ptr + rows, tl.math.div_rn(tl.full((BR,), 1.0, tl.float32), scale), mask=rows < n_rows)
 
     @triton.jit
