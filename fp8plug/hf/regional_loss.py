@@ -34,7 +34,8 @@ def compile_losses(models: list, dynamo_plugin) -> None:
     `models` (as prepare() returned them) with the plugin's settings; else nothing."""
     from accelerate.utils import DynamoBackend
 
-    if dynamo_plugin.backend == DynamoBackend.NO or not dynamo_plugin.use_regional_compilation:
+    if (dynamo_plugin is None or dynamo_plugin.backend == DynamoBackend.NO
+            or not getattr(dynamo_plugin, "use_regional_compilation", False)):
         return
     for model in models:
         compile_loss(model, dynamo_plugin.to_kwargs())

@@ -264,7 +264,7 @@ def _build():
 
     @triton.jit
     def store_rows(y_ptr, x, scale, rows, cols, n_rows, n_cols):
-        """fp8(x * scale of its row) written at y_ptr [n_rows, n_cols] (the cast rowwise's torch ops make)."""
+        """fp8(x * its row's scale) written at y_ptr [n_rows, n_cols], as grouped.rowwise's torch ops cast."""
         tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], (x.to(tl.float32) * scale[:, None]).to(tl.float8e4nv),
                  mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
