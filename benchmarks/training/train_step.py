@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hf_llama_report import versions  # noqa: E402  (this folder is on the path: the script's own)
+import train_step_te as raw_te  # noqa: E402  (this folder is on the path: the script's own)
+from hf_llama_report import versions  # noqa: E402
 
 MODELS = {
     "probe": dict(dim=4096, n_layers=4, n_heads=32, ffn_dim=16384, vocab_size=32000, batch=4, seq=2048),
@@ -116,61 +117,6 @@ def _blocks(model):
 
 
 # --- the paths ------------------------------------------------------------------------------------
-
-
-def _te():
-    import transformer_engine.pytorch as te
-
-    return te
-
-
-def _te_recipe(scaling: str):
-    from transformer_engine.common import recipe as te_recipe
-
-    fmt = te_recipe.Format.HYBRID
-    if scaling == "delayed":
-        # fp8plug's defaults (FP8RecipeKwargs): margin 0, history 1024, most_recent
-        return te_recipe.DelayedScaling(margin=0, fp8_format=fmt, amax_history_len=1024,
-                                        amax_compute_algo="most_recent")
-    if scaling == "current":
-        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
-    if scaling == "block":
-        return te_recipe.Float8BlockScaling(fp8_format=fmt)
-    raise ValueError(f"raw te path: scaling {scaling!r} not benchmarked; use delayed, current or block")
-
-
-def _te_autocast(recipe):
-    te = _te()
-    if hasattr(te, "autocast"):
-        return te.autocast(enabled=True, recipe=recipe)
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
-
-
-def _swap_to_te(model, dtype):
-    """Raw TransformerEngine: every nn.Linear (but the head) -> te.Linear, nn.RMSNorm -> te.RMSNorm,
-    weights copied, as a user would write it by hand."""
-    import torch
-    from torch import nn
-
-    te = _te()
-    for fqn, module in list(model.named_modules()):
-        if fqn in IGNORE or not fqn:
-            continue
-        if type(module) is nn.Linear:
-            new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                            params_dtype=dtype, device=module.weight.device)
-        elif type(module) is nn.RMSNorm:
-            new = te.RMSNorm(module.normalized_shape[0], eps=module.eps or 1e-5, dtype=dtype,
-                             device=module.weight.device)
-        else:
-            continue
-        with torch.no_grad():
-            new.weight.copy_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                new.bias.copy_(module.bias)
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return model
 
 
 class Run:
@@ -253,11 +199,11 @@ def setup(path: str, engine: str, scaling, spec: dict, device, dtype, compile_ho
         optimizer = _adamw(model, device)
         return Run(compile_model(model, compile_how), plain_backward, optimizer, model=model)
     if engine == "te":
-        te_recipe = _te_recipe(scaling or "delayed")
-        _swap_to_te(model, dtype)
+        te_recipe = raw_te.recipe(scaling or "delayed")
+        raw_te.swap_modules(model, dtype, IGNORE)
         optimizer = _adamw(model, device)
         return Run(compile_model(model, compile_how), plain_backward, optimizer,
-                   context=lambda: _te_autocast(te_recipe), model=model)
+                   context=lambda: raw_te.autocast(te_recipe), model=model)
     if engine == "msamp":
         import msamp
 
