@@ -132,8 +132,9 @@ DECODER_LAYERS = dict(mixtral="MixtralDecoderLayer", qwen3moe="Qwen3MoeDecoderLa
 # row base -> (which Accelerator, mixed precision, FP8 engine, recipe arguments)
 BASES = {
     "bf16": ("accelerate", "bf16", None, {}),
-    # bf16 with fp8plug's attention change alone (SDPA is_causal=True, no built mask), which fp8plug
-    # rows get by default: bf16-skipmask against fp8plug splits fp8plug's gain into that and FP8
+    # bf16 with fp8plug's changes that are not FP8 (SDPA is_causal=True, no built mask; under regional
+    # compilation the loss compiled too), which fp8plug rows get by default: bf16-skipmask against
+    # fp8plug splits fp8plug's gain into those and FP8
     "bf16-skipmask": ("accelerate", "bf16", None, dict(skip_causal_mask=True)),
     "fp8plug": ("fp8plug", "fp8", None, {}),
     "fp8plug-ao": ("fp8plug", "fp8", "ao", dict(enable_fsdp_float8_all_gather=True)),
@@ -280,6 +281,10 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     # tensor parallelism without FSDP2: the model stays on meta through prepare (materialised below)
     placement = [False] * 3 if args.tp > 1 and not accelerator.is_fsdp2 else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler, device_placement=placement)
+    if BASES[row.rsplit("-", 1)[0]][3].get("skip_causal_mask"):  # the loss compiled too, where regional
+        from fp8plug.hf.regional_loss import compile_losses
+
+        compile_losses([model], accelerator.state.dynamo_plugin)
     materialise(model, device)
     rebind_optimizer(optimizer, model)
     if hasattr(accelerator, "fp8_coverage"):  # read once, eagerly: settles the counts made on meta

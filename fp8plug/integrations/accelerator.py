@@ -236,7 +236,7 @@ class Accelerator(AcceleratorInternals, accelerate.Accelerator):
         result = super().prepare(*args, device_placement=device_placement)
         for model in self._fp8_models:  # counts made on meta that accelerate's FSDP2 gave memory
             settle_all(model)
-        prepared = result if isinstance(result, tuple) else (result,)
+        prepared = result if isinstance(result, (tuple, list)) else (result,)  # FSDP2's prepare gives a list
         if deepspeed:  # ZeRO's flat partitions hide the models from that hook (fp8plug.integrations.deepspeed_zero)
             ds.hook_engine_steps(self, prepared)
         compile_losses([prepared[i] for i in new_models], self.state.dynamo_plugin)  # under regional compilation

@@ -100,28 +100,31 @@ def test_a_row_cut_short_reports_the_steps_it_finished(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_row_on_two_cpu_processes(tmp_path):
-    """One fp8plug row end to end: two processes, the model built on meta, sharded, materialised,
-    trained 4 steps (about 60-90 s on two busy cores, mostly imports)."""
+def test_tiny_rows_on_two_cpu_processes(tmp_path):
+    """fp8plug rows end to end, eager and under Accelerate's regional compilation (compiled in
+    place before sharding; fp8plug compiles the loss too, fp8plug.hf.regional_loss): two processes
+    each, the model built on meta, sharded, materialised, trained 4 steps (about 60-90 s a row on
+    two busy cores, mostly imports; aot_eager keeps the compilation short)."""
     out = tmp_path / "fsdp2.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", "2", "--rows", "fp8plug-eager", "--steps", "4",
-         "--warmup", "1", "--json", str(out), *TINY],
-        capture_output=True, text=True, timeout=400, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", "2", "--rows", "fp8plug-eager,fp8plug-regional",
+         "--steps", "4", "--warmup", "1", "--compile-backend", "aot_eager", "--json", str(out), *TINY],
+        capture_output=True, text=True, timeout=700, cwd=str(ROOT), env=child_env(tmp_path, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["meta"]["nproc"] == 2 and "| fp8plug-eager |" in proc.stdout
-    (row,) = data["rows"]
-    assert row["error"] is None
-    for field in ("tokens_per_s", "mfu", "first_step_s", "loss", "loss_last", "fp8_modules", "linears", "step_ms",
-                  "init_sums", "world_size", "engine"):
-        assert row.get(field) is not None, field
-    assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10
-    assert row["world_size"] == 2 and row["params_not_stepped"] == 0
-    assert row["parameters"] == bench_model.parameter_counts(data["meta"]["spec"])[0]
-    assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
-    assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
-    assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
+    assert [row["row"] for row in data["rows"]] == ["fp8plug-eager", "fp8plug-regional"]
+    for row in data["rows"]:
+        assert row["error"] is None, row["row"]
+        for field in ("tokens_per_s", "mfu", "first_step_s", "loss", "loss_last", "fp8_modules", "linears",
+                      "step_ms", "init_sums", "world_size", "engine"):
+            assert row.get(field) is not None, (row["row"], field)
+        assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10
+        assert row["world_size"] == 2 and row["params_not_stepped"] == 0
+        assert row["parameters"] == bench_model.parameter_counts(data["meta"]["spec"])[0]
+        assert 0 < row["fp8_modules"] <= row["linears"] == 2 * 7 + 1
+        assert row["fp8_gemms"] > 0 and len(row["step_ms_all"]) == 4
+        assert row["final_sums"] != row["init_sums"]  # the optimizer moved the weights
 
 
 @pytest.mark.slow
