@@ -11,8 +11,9 @@ with the same settings gives the loss one fused graph, and costs one more small 
 
 Only transformers' own loss is compiled: a loss function the user set (`model.loss_function =
 ...`) is theirs and is left as it is. The compiled function is set on the models Accelerate
-returns, not on the model `unwrap_model(keep_torch_compile=False)` hands back (accelerate's
-regional compilation returns shallow copies whose `_orig_mod` is the model given to prepare).
+returns: on one process or under DDP shallow copies whose `_orig_mod` is the model given to
+prepare (`unwrap_model(keep_torch_compile=False)` hands that back, its loss uncompiled); under
+FSDP2 and DeepSpeed, which Accelerate compiles in place, the model itself, as its layers are.
 """
 
 from __future__ import annotations
