@@ -87,7 +87,7 @@ from hf_llama_measure import (  # noqa: E402
     note_early_step,
     step_numbers,
 )
-from hf_llama_report import merge, save, table, versions  # noqa: E402,F401
+from hf_llama_report import merge, save, table, versions  # noqa: E402
 from hf_llama_task import ALPHABET, NOISE, build_model, loss_floor, make_batches, training_step, warmup_schedule  # noqa: E402,F401
 
 PRESETS = {
@@ -240,10 +240,10 @@ def setup(row: str, spec: dict, device, steps: int, lr: float):
     if mode == "precompiled":
         model = torch.compile(model, backend=backend)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    if kind == "accelerate" and options.get("skip_causal_mask") and mode == "regional":
-        from fp8plug.hf.regional_loss import compile_loss
+    if kind == "accelerate" and options.get("skip_causal_mask"):  # the loss compiled too, where regional
+        from fp8plug.hf.regional_loss import compile_losses
 
-        compile_loss(model, dynamo["dynamo_plugin"].to_kwargs())
+        compile_losses([model], accelerator.state.dynamo_plugin)
     if mode == "usercompiled":
         model = torch.compile(model, backend=backend)
     return accelerator, model, optimizer, scheduler

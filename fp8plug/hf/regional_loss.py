@@ -19,7 +19,6 @@ FSDP2 and DeepSpeed, which Accelerate compiles in place, the model itself, as it
 from __future__ import annotations
 
 import logging
-from typing import List
 
 import torch
 from torch import nn
@@ -39,23 +38,19 @@ def compile_losses(models: list, dynamo_plugin) -> None:
             or not getattr(dynamo_plugin, "use_regional_compilation", False)):
         return
     for model in models:
-        compile_loss(model, dynamo_plugin.to_kwargs())
+        _compile_loss(model, dynamo_plugin.to_kwargs())
 
 
-def compile_loss(model: nn.Module, compile_kwargs: dict) -> List[str]:
+def _compile_loss(model: nn.Module, compile_kwargs: dict) -> None:
     """Compile the loss of every transformers model in `model` whose loss is transformers' own,
-    with `compile_kwargs` (the dynamo plugin's); logs once per model class. Returns the classes'
-    names whose loss was compiled."""
-    compiled = []
+    with `compile_kwargs` (the dynamo plugin's); logs once per model class."""
     for hf_model in transformers_models(model):
         if "_loss_function" in vars(hf_model) or not isinstance(getattr(type(hf_model), "loss_function", None),
                                                                  property):
             continue
         hf_model.loss_function = torch.compile(hf_model.loss_function, **compile_kwargs)
         name = type(hf_model).__name__
-        compiled.append(name)
         if name not in _logged:
             _logged.add(name)
             logger.info("fp8plug: %s: its loss compiled too under regional compilation (Accelerate compiles "
                         "the decoder layers and the head, and the loss between them would run eagerly).", name)
-    return compiled
