@@ -108,7 +108,6 @@ for _path in (str(ROOT), str(ROOT / "benchmarks" / "training"), str(ROOT / "benc
 from bench_model import (  # noqa: E402
     LLAMA3_8B,
     build_meta_model,
-    build_zero3_model,
     flops_per_token,
     materialise,
     weight_sums,
@@ -122,6 +121,7 @@ from moe_llm import MODELS as MOE_MODELS  # noqa: E402
 from moe_llm import experts_facts  # noqa: E402
 from parallel_setup import fsdp_on_cpu, tensor_parallel, tp_on_cpu  # noqa: E402
 from row_launcher import run_rows, table, write_json  # noqa: E402
+from zero3_rows import prepare_zero3, zero3_accelerator  # noqa: E402
 
 # --model: the Llama, or one of benchmarks/moe/moe_llm.py's MoE shapes (its builder: the same model as its rows)
 MODELS = dict(llama=LLAMA3_8B, **MOE_MODELS)
@@ -170,14 +170,7 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
     base, mode = row.rsplit("-", 1)
     kind, precision, engine, options = BASES[base]
     if strategy == "zero3":
-        plugin = zero3_plugin(spec)
-        if kind == "fp8plug":
-            import fp8plug
-
-            handlers = [fp8plug.FP8RecipeKwargs(**options, **({"backend": engine} if engine else {}))]
-            return fp8plug.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
-        handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
-        return accelerate.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
+        return zero3_accelerator(kind, precision, engine, options, spec)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=[DECODER_LAYERS.get(spec.get("arch"), "LlamaDecoderLayer")],
@@ -207,19 +200,6 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
     if plugin is not None and not accelerator.is_fsdp2:
         raise RuntimeError(f"Accelerate did not turn FSDP2 on (distributed type {accelerator.distributed_type})")
     return accelerator
-
-
-def zero3_plugin(spec: dict):
-    """DeepSpeed ZeRO-3 as Accelerate's DeepSpeedPlugin sets it up: bf16 (the mixed precision
-    fills it in), no offload, the row's micro-batch; the model is partitioned by zero.Init in
-    build_zero3_model, not by Accelerate's zero3_init_flag (which acts only inside from_pretrained)."""
-    from accelerate.utils import DeepSpeedPlugin
-
-    plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1, gradient_clipping=None, zero3_init_flag=False)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=spec["batch"], train_batch_size=spec["batch"] * world,
-                                   steps_per_print=10**9)
-    return plugin
 
 
 def rebind_optimizer(optimizer, model) -> None:
@@ -263,7 +243,9 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     cuda = device.type == "cuda"
     out = dict(device=torch.cuda.get_device_name(device) if cuda else "CPU", world_size=world, strategy=args.strategy)
     if args.strategy == "zero3":
-        return train_zero3(row, spec, args, t0, accelerator, out)
+        model, optimizer, scheduler = prepare_zero3(mode, BASES[row.rsplit("-", 1)[0]][2], spec, args, t0, accelerator,
+                                                    out)
+        return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
     model = build_meta_model(spec)
     if BASES[row.rsplit("-", 1)[0]][3].get("skip_causal_mask"):
         from fp8plug.hf.attention import skip_causal_mask
@@ -294,34 +276,6 @@ def train(row: str, spec: dict, args, t0: float) -> dict:
     out.update(precision_facts(model, accelerator))
     if mode == "usercompiled":
         model = torch.compile(model, backend=args.compile_backend)
-    return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
-
-
-def train_zero3(row: str, spec: dict, args, t0: float, accelerator, out: dict) -> dict:
-    """`train` under DeepSpeed ZeRO-3 (see the module doc)."""
-    import types
-
-    import torch
-
-    mode, device = row.rsplit("-", 1)[1], accelerator.device
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    kind = str(accelerator.distributed_type)
-    if accelerator.num_processes != launched or "DEEPSPEED" not in kind:
-        # accelerate.Accelerator on CPU processes, for one, runs each alone and without DeepSpeed
-        raise RuntimeError(f"Accelerate did not run DeepSpeed over the {launched} launched processes "
-                           f"({kind}, {accelerator.num_processes} processes)")
-    model = build_zero3_model(spec, accelerator, device)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    scheduler = warmup_schedule(optimizer, args.steps)
-    everything = types.SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    out.update(parameters=params, linears=linears, prepared_s=time.time() - t0, init_sums=weight_sums(model, device))
-    # ZeRO-3 steps its own flat fp32 partitions of every parameter given to prepare
-    out.update(model_facts(model, everything, accelerator, BASES[row.rsplit("-", 1)[0]][2]), params_not_stepped=None)
-    if mode == "usercompiled":
-        model.compile(backend=args.compile_backend)  # DeepSpeedEngine.compile: its hooks stay outside the graph
     return train_loop(model, optimizer, scheduler, accelerator, spec, args, t0, out)
 
 

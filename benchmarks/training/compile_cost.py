@@ -15,8 +15,8 @@ script counts them for bf16 and each scaling of the native engine on a transform
   included), in all and graph by graph in the order they were compiled;
 - `aot_s`, `front_end_s`: torch's own seconds for AOT autograd and for the whole front end
   (dynamo, AOT autograd, inductor's graph passes);
-- with `--codegen` (a GPU) inductor runs to the end instead, and `kernels` is how many kernels it
-  generated, `compile_s` torch's whole compile time.
+- with `--codegen` inductor runs to the end instead (Triton kernels on a GPU, C++ on a CPU), and
+  `kernels` is how many kernels it generated, `compile_s` torch's whole compile time.
 
 Without `--codegen` inductor stops before generating code (its inner compile hands the graph back
 to run as is), which works on a CPU and takes seconds. On a CPU the finer scalings' casts are one
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--codegen", action="store_true", help="run inductor to the end and count its kernels (a GPU)")
+    p.add_argument("--codegen", action="store_true", help="run inductor to the end and count its kernels")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per row")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
