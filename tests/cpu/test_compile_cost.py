@@ -24,15 +24,15 @@ def _run(*args, timeout=300):
 
 def test_fp8_graph_counted_against_bf16(tmp_path):
     out = tmp_path / "cost.json"
-    proc = _run("--rows", "bf16,default", "--json", str(out))
+    proc = _run("--rows", "bf16,dynamic", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
-    bf16, fp8 = rows["bf16"], rows["default"]
+    bf16, fp8 = rows["bf16"], rows["dynamic"]
     for row in (bf16, fp8):
         assert row["graphs"] >= 1 and len(row["graph_ops"]) >= 2 and row["ops"] == sum(row["graph_ops"]), row
         assert min(row["graph_ops"][-2:]) > 100, row  # the model's forward and backward
         assert 0 < row["tracing_s"] <= row["front_end_s"], row
-    # every Linear's casts are traced into the graph: several times bf16's ops (measured about 3.2x)
+    # every Linear's casts are traced into the graph: more than twice bf16's ops (measured 2.4x)
     assert fp8["ops"] > 2 * bf16["ops"], rows
     assert "compile_cost: " in proc.stdout
 
