@@ -15,6 +15,9 @@ script counts them for bf16 and each scaling of the native engine on a transform
   included), in all and graph by graph in the order they were compiled;
 - `aot_s`, `front_end_s`: torch's own seconds for AOT autograd and for the whole front end
   (dynamo, AOT autograd, inductor's graph passes);
+- `ops_by_source`: those ops by the line of fp8plug that made them (the innermost fp8plug frame of
+  each op's stack), the largest first, and the rest as "outside fp8plug": where to look to make
+  the graph smaller;
 - with `--codegen` inductor runs to the end instead (Triton kernels on a GPU, C++ on a CPU), and
   `kernels` is how many kernels it generated, `compile_s` torch's whole compile time.
 
@@ -31,7 +34,10 @@ not depend on the width); `--preset llama` for its own.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +59,17 @@ PRESETS = {
     "llama": dict(layers=4, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, seq=2048, batch=4),
 }
 MARK = "compile_cost: "  # the line a row prints its result on
+FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def source_of(node, package: str) -> str:
+    """The line of fp8plug (its package directory: `package`) that made a graph node ("path:line
+    function", the path from the package's parent), from the node's stack trace."""
+    frames = [f for f in FRAME.findall(node.meta.get("stack_trace") or "") if f[0].startswith(package + os.sep)]
+    if not frames:
+        return "outside fp8plug"
+    path, line, function = frames[-1]
+    return f"{os.path.relpath(path, os.path.dirname(package))}:{line} {function}"
 
 
 def measure(row: str, spec: dict, device: str, codegen: bool) -> dict:
@@ -69,12 +86,14 @@ def measure(row: str, spec: dict, device: str, codegen: bool) -> dict:
     model = build_model(spec, device)
     if ROWS[row] is not None:
         fp8plug.convert_model(model, recipe=FP8RecipeKwargs(backend="native", auto_filter=False, scaling=ROWS[row]))
-    graph_ops = []
+    graph_ops, by_source = [], collections.Counter()
 
     def hand_back(graph_module, example_inputs, **kwargs):  # inductor's inner compile, stopped before codegen
         from functorch.compile import make_boxed_func
 
-        graph_ops.append(sum(1 for node in graph_module.graph.nodes if node.op == "call_function"))
+        ops = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+        graph_ops.append(len(ops))
+        by_source.update(source_of(node, os.path.dirname(fp8plug.__file__)) for node in ops)
         return make_boxed_func(graph_module.forward)
 
     def front_end_only(graph_module, example_inputs):
@@ -93,7 +112,7 @@ def measure(row: str, spec: dict, device: str, codegen: bool) -> dict:
         result.update(kernels=metrics.generated_kernel_count,
                       compile_s=round(utils.calculate_time_spent().get("total_wall_time", 0.0), 2))
     else:
-        result.update(ops=sum(graph_ops), graph_ops=graph_ops,
+        result.update(ops=sum(graph_ops), graph_ops=graph_ops, ops_by_source=dict(by_source.most_common()),
                       aot_s=round(seconds.get("create_aot_dispatcher_function", 0.0), 2),
                       front_end_s=round(seconds.get("_compile.compile_inner", 0.0)
                                         + seconds.get("backward._backward_impl", 0.0), 2))

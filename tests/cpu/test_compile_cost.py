@@ -34,6 +34,13 @@ def test_fp8_graph_counted_against_bf16(tmp_path):
         assert 0 < row["tracing_s"] <= row["front_end_s"], row
     # every Linear's casts are traced into the graph: more than twice bf16's ops (measured 2.4x)
     assert fp8["ops"] > 2 * bf16["ops"], rows
+    # each op put down to the fp8plug line that made it (the casts' among them); the model's own
+    # ops are at most bf16's (its Linears and norms are fp8plug's in the FP8 graph)
+    sources = fp8["ops_by_source"]
+    assert sum(sources.values()) == fp8["ops"]
+    assert any(key.startswith("fp8plug/backends/native/scaling.py:") for key in sources), sources
+    assert sources.get("outside fp8plug", 0) <= bf16["ops"], sources
+    assert set(bf16["ops_by_source"]) == {"outside fp8plug"}, bf16["ops_by_source"]
     assert "compile_cost: " in proc.stdout
 
 
