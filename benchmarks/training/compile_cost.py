@@ -75,8 +75,8 @@ def source_of(node, package: str) -> str:
 def measure(row: str, spec: dict, device: str, codegen: bool) -> dict:
     """One row, in this process: compile, run one forward and backward, count."""
     import torch
+    from hf_llama_measure import compile_breakdown, dynamo_graphs
     from hf_llama_task import build_model
-    from torch._dynamo import utils
     from torch._inductor import metrics
     from torch._inductor.compile_fx import compile_fx
 
@@ -104,16 +104,15 @@ def measure(row: str, spec: dict, device: str, codegen: bool) -> dict:
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
-    names, values = utils.compile_times(repr="csv", aggregate=True)
-    seconds = dict(zip(names, map(float, values)))
-    result = dict(row=row, graphs=utils.counters["stats"].get("unique_graphs", 0),
-                  tracing_s=round(seconds.get("bytecode_tracing", 0.0), 2))
+    breakdown = compile_breakdown(top=None)
+    seconds = breakdown["largest"]
+    result = dict(row=row, graphs=dynamo_graphs(), tracing_s=seconds.get("bytecode_tracing", 0.0))
     if codegen:
         result.update(kernels=metrics.generated_kernel_count,
-                      compile_s=round(utils.calculate_time_spent().get("total_wall_time", 0.0), 2))
+                      compile_s=breakdown["phases"].get("total_wall_time", 0.0))
     else:
         result.update(ops=sum(graph_ops), graph_ops=graph_ops, ops_by_source=dict(by_source.most_common()),
-                      aot_s=round(seconds.get("create_aot_dispatcher_function", 0.0), 2),
+                      aot_s=seconds.get("create_aot_dispatcher_function", 0.0),
                       front_end_s=round(seconds.get("_compile.compile_inner", 0.0)
                                         + seconds.get("backward._backward_impl", 0.0), 2))
     return result

@@ -14,6 +14,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Optional
 
 from gpu_time_by_kind import memory_at_peak
 from train_step import count_fp8_modules
@@ -123,10 +124,10 @@ def dynamo_graphs() -> int:
     return counters["stats"].get("unique_graphs", 0)
 
 
-def compile_breakdown(top: int = 20) -> dict:
+def compile_breakdown(top: Optional[int] = 20) -> dict:
     """Where the compilation so far went, in seconds: torch.compile's phases (tracing, AOT
-    autograd, inductor, waiting for kernel compiles) and its `top` largest timed functions, so a
-    slow first step can be attributed."""
+    autograd, inductor, waiting for kernel compiles) and its `top` largest timed functions (None:
+    all of them), so a slow first step can be attributed."""
     from torch._dynamo import utils
 
     names, values = utils.compile_times(repr="csv", aggregate=True)
