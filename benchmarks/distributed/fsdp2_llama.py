@@ -121,7 +121,7 @@ from moe_llm import MODELS as MOE_MODELS  # noqa: E402
 from moe_llm import experts_facts  # noqa: E402
 from parallel_setup import fsdp_on_cpu, tensor_parallel, tp_on_cpu  # noqa: E402
 from row_launcher import run_rows, table, write_json  # noqa: E402
-from zero3_rows import prepare_zero3, zero3_accelerator  # noqa: E402
+from zero3_rows import prepare_zero3, zero3_plugin  # noqa: E402
 
 # --model: the Llama, or one of benchmarks/moe/moe_llm.py's MoE shapes (its builder: the same model as its rows)
 MODELS = dict(llama=LLAMA3_8B, **MOE_MODELS)
@@ -169,14 +169,6 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
 
     base, mode = row.rsplit("-", 1)
     kind, precision, engine, options = BASES[base]
-    if strategy == "zero3":
-        return zero3_accelerator(kind, precision, engine, options, spec)
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=[DECODER_LAYERS.get(spec.get("arch"), "LlamaDecoderLayer")],
-        reshard_after_forward=True, activation_checkpointing=spec.get("checkpointing", True),
-        cpu_ram_efficient_loading=False,
-        state_dict_type="SHARDED_STATE_DICT")
     if kind == "fp8plug":
         import fp8plug
 
@@ -185,6 +177,14 @@ def make_accelerator(row: str, backend: str, device_type: str, strategy: str = "
     else:  # bf16-skipmask's option is no recipe's: it has none
         cls = accelerate.Accelerator
         handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
+    if strategy == "zero3":
+        return cls(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=zero3_plugin(spec))
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[DECODER_LAYERS.get(spec.get("arch"), "LlamaDecoderLayer")],
+        reshard_after_forward=True, activation_checkpointing=spec.get("checkpointing", True),
+        cpu_ram_efficient_loading=False,
+        state_dict_type="SHARDED_STATE_DICT")
     dynamo = TorchDynamoPlugin(backend=backend, use_regional_compilation=True) if mode == "regional" else None
     dp_shard = int(os.environ.get("WORLD_SIZE", "1")) // tp
     config = ParallelismConfig(tp_size=tp, dp_shard_size=dp_shard) if tp > 1 else None

@@ -1,6 +1,6 @@
-"""fsdp2_llama.py's rows under DeepSpeed ZeRO-3 (`--strategy zero3`): the plugin, the Accelerator and
-the model, optimizer and schedule prepared; fsdp2_llama.py's training loop then runs them as it
-runs the FSDP2 rows.
+"""fsdp2_llama.py's rows under DeepSpeed ZeRO-3 (`--strategy zero3`): the plugin, and the model,
+optimizer and schedule prepared; fsdp2_llama.py builds the row's Accelerator with that plugin and
+its training loop runs them as it runs the FSDP2 rows.
 
 A module of its own so that fsdp2_llama.py holds the FSDP2 rows and the loop every strategy
 shares; what ZeRO-3 changes is written here once: the model built inside `deepspeed.zero.Init`
@@ -30,22 +30,6 @@ def zero3_plugin(spec: dict):
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=spec["batch"], train_batch_size=spec["batch"] * world,
                                    steps_per_print=10**9)
     return plugin
-
-
-def zero3_accelerator(kind: str, precision: str, engine, options: dict, spec: dict):
-    """The row's Accelerator (fsdp2_llama.BASES' `kind`, mixed precision, engine and recipe
-    arguments) with the ZeRO-3 plugin."""
-    import accelerate
-    from accelerate.utils import AORecipeKwargs, TERecipeKwargs
-
-    plugin = zero3_plugin(spec)
-    if kind == "fp8plug":
-        import fp8plug
-
-        handlers = [fp8plug.FP8RecipeKwargs(**options, **({"backend": engine} if engine else {}))]
-        return fp8plug.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
-    handlers = [dict(ao=AORecipeKwargs, te=TERecipeKwargs)[engine](**options)] if engine else []
-    return accelerate.Accelerator(mixed_precision=precision, kwargs_handlers=handlers, deepspeed_plugin=plugin)
 
 
 def prepare_zero3(mode: str, engine, spec: dict, args, t0: float, accelerator, out: dict):
