@@ -230,6 +230,36 @@ def test_compiles_without_graph_breaks():
     assert layer.fp8_step.tolist() == [3, 3, 3]
 
 
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+def test_dynamo_records_each_cast_as_one_operator(scaling):
+    """Compiled, a cast is one node of dynamo's graph (`fp8plug::per_tensor_cast`), not its torch
+    ops, which dynamo took seconds to interpret on a transformers Llama (backends.native.cast); the
+    graph AOT autograd hands inductor holds the ops again, for the compiler to fuse them."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def ops_of(gm, into):
+        into.extend(str(node.target) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                    for node in module.graph.nodes if node.op in ("call_function", "call_method"))
+        return make_boxed_func(gm.forward)
+
+    dynamo_ops, inductor_ops = [], []
+    aot = aot_autograd(fw_compiler=lambda gm, _: ops_of(gm, inductor_ops),
+                       bw_compiler=lambda gm, _: ops_of(gm, inductor_ops),
+                       partition_fn=min_cut_rematerialization_partition)
+    # delayed scaling's in-place amax records go to inductor's own partitioning only: dynamo's graph alone there
+    backend = (lambda gm, inputs: (ops_of(gm, dynamo_ops), aot(gm, inputs))[1]) if scaling == "dynamic" else (
+        lambda gm, inputs: ops_of(gm, dynamo_ops) and gm.forward)
+    torch._dynamo.reset()
+    layer = make(in_f=64, out_f=64, scaling=scaling)
+    torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    casts = [op for op in dynamo_ops if "per_tensor_cast" in op]
+    assert len(casts) == 3, dynamo_ops  # the input's and the weight's, and backward's of grad_output
+    assert not any("amax" in op or "clamp" in op for op in dynamo_ops), dynamo_ops
+    if scaling == "dynamic":
+        assert any("amax" in op for op in inductor_ops) and not any("per_tensor_cast" in op for op in inductor_ops)
+
+
 def test_compiled_layers_sharing_an_input_keep_one_fp8_copy_of_it():
     """q, k and v (gate and up) read one tensor. Compiled with dynamic scaling (the compiled
     default), their casts of it are one cast, and backward keeps one transposed FP8 copy of it,

@@ -4,6 +4,12 @@ Why a file of its own: this is the one autograd Function behind every NativeFP8L
 GEMMs, which of them a frozen weight or an input without gradient skips, and delayed scaling's
 grad_output amax record); the layer around it (backends.native.linear) decides the casts.
 `_cast` and `scaled_mm` are module names so tests can count the casts and GEMMs backward makes.
+
+Compiled, the Function stays (dynamo traces it), where the finer scalings' GEMMs are an operator
+(backends.native.compiled_ops): as an operator it would take the layer's high-precision input as
+an input, which the compiler must then write out, where traced it fuses the norm before it into
+the input's cast and never writes the normalised activation (tests/support/fusion.py). Tried on
+the benchmark Llama (one H200): dynamo traced 1.5 s less, and the peak grew by 0.78 GB.
 """
 
 from __future__ import annotations

@@ -138,15 +138,15 @@ def cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Te
 
 
 def _traced_cast(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cast_tiles as a compiled graph holds it: the torch ops, traced, on a GPU (the compiler fuses
-    them into the kernel that makes the tensor), except a transposed operand's, which is one
-    operator (`_cast_columns`); one operator on the CPU. Called directly where a trace is certain
-    (a compiled granular layer, forward and its autograd formula)."""
+    """cast_tiles as a compiled graph holds it: on a GPU the torch ops (`fp8plug::tile_cast`, fused
+    by the compiler into the kernel that makes the tensor), but a large transposed operand's
+    `_cast_columns`; `_cpu_cast_tiles` on the CPU. Called where a trace is certain (a compiled
+    granular layer, forward and its autograd formula)."""
     if t.device.type == "cpu":
         return _cpu_cast_tiles(t.detach(), kind, power_of_two)
     if _columns_of(t, kind) and t.numel() >= COLUMNS_OPERATOR_MIN_ELEMENTS:
         return _cast_columns(t.detach().t(), kind, power_of_two)
-    return _cast_tiles(t, kind, power_of_two)
+    return torch.ops.fp8plug.tile_cast(t.detach(), kind, power_of_two)
 
 
 def _columns_of(t: torch.Tensor, kind: str) -> bool:
@@ -224,6 +224,11 @@ def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.T
     # row-major whatever t's layout (a transposed input's view keeps its strides through the
     # element-wise ops): the GEMM reads each operand K-contiguous
     return t_fp8.contiguous(), _gemm_layout(scale.reciprocal(), kind)
+
+
+# _cast_tiles as one operator whose kernel is its torch ops (backends.native.cast.traced_cast says why)
+torch.library.define("fp8plug::tile_cast", "(Tensor t, str kind, bool power_of_two) -> (Tensor, Tensor)")
+torch.library.impl("fp8plug::tile_cast", "CompositeImplicitAutograd")(_cast_tiles)
 
 
 def dequantize(t_fp8: torch.Tensor, inv: torch.Tensor, kind: str) -> torch.Tensor:
