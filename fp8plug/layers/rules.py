@@ -78,7 +78,12 @@ def refuse_unusable_linear(fqn: str, module: nn.Linear) -> None:
 
 def local_shape(t):
     """The shape of this rank's part of tensor `t`: a DTensor's local shard (tensor parallelism),
-    a plain tensor's own."""
+    a plain tensor's own. A DeepSpeed ZeRO-3 partition (a model built under `deepspeed.zero.Init`)
+    holds a 1-D slice until DeepSpeed gathers the whole tensor for each use: its shape is that
+    whole tensor's (`ds_shape`)."""
+    partitioned = getattr(t, "ds_shape", None)
+    if partitioned is not None:
+        return partitioned
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed

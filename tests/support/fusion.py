@@ -2,11 +2,12 @@
 into the projections that follow): shared by tests/cpu/test_native.py (C++ kernels on the CPU) and
 tests/gpu/test_native.py (Triton kernels).
 
-Compiled, fp8plug needs no fused module of its own for this: the native cast is plain torch ops,
-so inductor computes the norm's statistics and the amax of its output in one kernel, and the FP8
-cast of the projections' shared input recomputes the normalised value from the norm's input
-instead of reading it back: the normalised activation is never written in high precision. These
-helpers build that block, compile it, and check that of the code inductor generated for it."""
+Compiled, fp8plug needs no fused module of its own for this: the native cast reaches inductor as
+torch ops (one operator for dynamo, which AOT autograd traces into its ops), so inductor computes
+the norm's statistics and the amax of its output in one kernel, and the FP8 cast of the
+projections' shared input recomputes the normalised value from the norm's input instead of
+reading it back: the normalised activation is never written in high precision. These helpers
+build that block, compile it, and check that of the code inductor generated for it."""
 
 from __future__ import annotations
 
