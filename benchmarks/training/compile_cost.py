@@ -16,8 +16,8 @@ script counts them for bf16 and each scaling of the native engine on a transform
 - `aot_s`, `front_end_s`: torch's own seconds for AOT autograd and for the whole front end
   (dynamo, AOT autograd, inductor's graph passes);
 - `ops_by_source`: those ops by the line of fp8plug that made them (the innermost fp8plug frame of
-  each op's stack), the largest first, and the rest as "outside fp8plug": where to look to make
-  the graph smaller;
+  each op's stack; a cast's ops, one operator for dynamo, to the line that calls it), the largest
+  first, and the rest as "outside fp8plug": where to look to make the graph smaller;
 - with `--codegen` inductor runs to the end instead (Triton kernels on a GPU, C++ on a CPU), and
   `kernels` is how many kernels it generated, `compile_s` torch's whole compile time.
 
