@@ -147,11 +147,11 @@ def test_a_compiled_native_layer_has_eager_gradients(word):
 @pytest.mark.parametrize("word", ("dynamic", "delayed") + granular.GRANULAR)
 def test_a_compiled_llama_has_eager_gradients_for_each_scaling(word):
     """A small transformers Llama through fp8plug.Accelerator with each scaling (per-tensor's two
-    too: compiled, dynamic scaling's GEMMs are an operator and delayed's an autograd.Function): one step's
-    gradients of every weight, eager and under torch.compile, each held against the same model's
-    bf16 gradients. The compiled ones must be as close to bf16 as the eager ones (within 3 dB):
-    compiled and eager FP8 are not compared with each other, since one ulp upstream moves every
-    dynamic scale after it (tests/gpu/test_moe.py says more)."""
+    too, whose casts are one operator each for dynamo: backends.native.cast): one step's gradients
+    of every weight, eager and under torch.compile, each held against the same model's bf16
+    gradients. The compiled ones must be as close to bf16 as the eager ones (within 3 dB): compiled
+    and eager FP8 are not compared with each other, since one ulp upstream moves every dynamic
+    scale after it (tests/gpu/test_moe.py says more)."""
     needs(word)
     import copy
 
