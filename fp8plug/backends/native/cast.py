@@ -26,9 +26,10 @@ def cast_operand(t, dtype, delayed, prev_scale, use_prev, margin, transposed=Tru
     torch.compile fuses with the ops around them. `source`: the layer input t was reshaped
     from; eagerly, a dynamic cast of an input other layers read too is made once for all of them
     (backends.native.shared_input)."""
-    if torch.compiler.is_compiling():  # one node for dynamo to trace (traced_cast says why)
-        t_fp8, t_t, inv, amax = traced_cast(t.detach(), dtype, prev_scale if delayed else None,
-                                            use_prev if delayed else None, margin)
+    if not delayed:  # the torch ops and the operator read no scaling state for a dynamic cast
+        prev_scale = use_prev = None
+    if torch.compiler.is_compiling():  # one node for dynamo to trace (the operator below says why)
+        t_fp8, t_t, inv, amax = torch.ops.fp8plug.per_tensor_cast(t.detach(), dtype, prev_scale, use_prev, margin)
         return t_fp8, t_t if transposed else None, inv, amax
     shared = source is not None and not delayed
     known_amax = None
@@ -44,8 +45,7 @@ def cast_operand(t, dtype, delayed, prev_scale, use_prev, margin, transposed=Tru
         else:
             t_fp8, t_t, _, amax, inv = fused_cast.cast_transpose_dynamic(t, dtype, known_amax)
     else:
-        t_fp8, t_t, inv, amax = _cast_with_torch_ops(t, dtype, prev_scale if delayed else None,
-                                                     use_prev if delayed else None, margin, transposed, known_amax)
+        t_fp8, t_t, inv, amax = _cast_with_torch_ops(t, dtype, prev_scale, use_prev, margin, transposed, known_amax)
     if shared:  # both layouts, for whichever reader needs the transposed one
         shared_input.remember_cast(source, dtype, (t_fp8, t_t, inv, amax))
     # the kernel writes both layouts; one nobody needs is not kept (it would be saved for backward)
@@ -82,9 +82,3 @@ torch.library.define("fp8plug::per_tensor_cast",
 @torch.library.impl("fp8plug::per_tensor_cast", "CompositeImplicitAutograd")
 def _per_tensor_cast(t, dtype, prev_scale, use_prev, margin):
     return _cast_with_torch_ops(t, dtype, prev_scale, use_prev, margin, True)
-
-
-def traced_cast(t, dtype, prev_scale=None, use_prev=None, margin=0):
-    """(FP8, transposed FP8, inverse scale, amax) of `t` in a compiled graph: dynamic where
-    `prev_scale` is None, else delayed (cast_operand's rule), as the operator above."""
-    return torch.ops.fp8plug.per_tensor_cast(t, dtype, prev_scale, use_prev, margin)

@@ -226,7 +226,7 @@ def _cast_tiles(t: torch.Tensor, kind: str, power_of_two: bool) -> Tuple[torch.T
     return t_fp8.contiguous(), _gemm_layout(scale.reciprocal(), kind)
 
 
-# _cast_tiles as one operator whose kernel is its torch ops (backends.native.cast.traced_cast says why)
+# _cast_tiles as one operator whose kernel is its torch ops (backends.native.cast's per_tensor_cast says why)
 torch.library.define("fp8plug::tile_cast", "(Tensor t, str kind, bool power_of_two) -> (Tensor, Tensor)")
 torch.library.impl("fp8plug::tile_cast", "CompositeImplicitAutograd")(_cast_tiles)
 
